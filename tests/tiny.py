@@ -1,0 +1,48 @@
+"""Tiny random-weight causal LMs built in-process from a transformers config (real transformers code)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from verispec.backends import HFModel
+from verispec.engine import SpeculativeGenerator
+from verispec.proposers import DraftModelProposer
+
+
+def tiny_qwen2(seed: int, vocab_size: int = 64, hidden: int = 64, layers: int = 2, scale: float = 1.0, init: float = 0.2):
+    """A Qwen2 LM with random weights; `scale` sharpens the output distribution (less uniform logits)."""
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=init,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def perturbed(model, seed: int, noise: float):
+    """A draft that agrees with `model` more often than chance: same weights plus Gaussian noise."""
+    copy = tiny_qwen2(seed=0, vocab_size=model.config.vocab_size, hidden=model.config.hidden_size,
+                      layers=model.config.num_hidden_layers, scale=1.0)
+    copy.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-3))
+    return copy
+
+
+def make_engine(target, draft=None, k: int = 4, eos=()) -> SpeculativeGenerator:
+    t = HFModel(target)
+    proposer = DraftModelProposer(HFModel(draft), t.vocab_size) if draft is not None else None
+    return SpeculativeGenerator(t, proposer, eos_token_ids=eos, num_draft_tokens=k)

@@ -1,0 +1,199 @@
+"""The speculative decoding loop: propose -> verify -> commit/rollback, until a stop.
+
+Invariant at the start of every round: the target's cache holds the committed sequence minus its
+last token. A round feeds [last committed token, d_1 .. d_k] to the target in ONE forward pass, which
+gives p for k+1 positions; the verifier accepts n drafts and yields one more token (recovered or
+bonus); the target's cache is cropped to keep exactly the committed tokens it has seen. With k = 0 the
+round is plain decoding, through the same sampling code: that is the baseline.
+
+The engine knows token ids only. Text-level stops come in as a callback from the edge.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.backends.base import Model, common_prefix_length
+from verispec.metrics import SpecStats
+from verispec.proposers.base import Proposer
+from verispec.proposers.draft_model import context_presence
+from verispec.sampling import SamplingParams, make_generator, presence_rows, probs_from_logits, process_logits
+from verispec.sequence import TokenSequence
+from verispec.verify import greedy_verify, rejection_sample
+
+# stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
+StopFn = Callable[[list[int]], "int | None"]
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only (an EOS that ended generation included)
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class Generation:
+    """Iterate to get each round's newly committed tokens; `result` is filled as it goes.
+    Closing the iterator early (a client went away) leaves the engine consistent."""
+
+    def __init__(self, rounds: Iterator[list[int]], result: GenerationResult) -> None:
+        self._rounds = rounds
+        self.result = result
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._rounds
+
+    def close(self) -> None:
+        self._rounds.close()  # type: ignore[attr-defined]
+
+
+class SpeculativeGenerator:
+    def __init__(
+        self,
+        target: Model,
+        proposer: Proposer | None = None,
+        eos_token_ids: Iterable[int] = (),
+        num_draft_tokens: int = 4,
+    ) -> None:
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        self.target = target
+        self.proposer = proposer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.num_draft_tokens = num_draft_tokens
+        self.device = target.device
+        self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _prefill(self, seq: TokenSequence) -> None:
+        """Bring the target's cache to seq[:-1], reusing the longest common prefix it already holds."""
+        keep = min(common_prefix_length(self._target_held, seq.ids), len(seq) - 1, self.target.length)
+        self.target.rollback(keep)
+        if keep < len(seq) - 1:
+            self.target.forward(seq.device_ids[keep:-1], last_only=True)
+        self._target_held = seq.ids[: self.target.length]
+
+    def _target_rows(
+        self, logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
+    ) -> torch.Tensor:
+        """Processed target rows [k+1, V]: argmax ids (greedy) or probs p."""
+        presence = None
+        if params.penalised:
+            presence = presence_rows(context_presence(seq, logits.shape[-1]), draft_tokens)
+        if params.greedy:
+            return process_logits(logits, params, presence).argmax(dim=-1)  # [k+1]
+        return probs_from_logits(logits, params, presence)  # [k+1, V]
+
+    def _round(
+        self, seq: TokenSequence, k: int, params: SamplingParams, gen: torch.Generator, stats: SpecStats
+    ) -> tuple[int, list[int]]:
+        """One propose -> verify -> commit round. Returns (accepted, committed tokens)."""
+        t0 = time.perf_counter()
+        if k > 0:
+            draft = self.proposer.propose(seq, k)
+            draft_tokens, draft_probs = draft.tokens, draft.probs
+            stats.draft_forwards += k if getattr(self.proposer, "uses_model", True) else 0
+        else:
+            draft_tokens, draft_probs = seq.device_ids.new_empty(0), None
+        t1 = time.perf_counter()
+        logits = self.target.forward(torch.cat([seq.device_ids[-1:], draft_tokens]))  # [k+1, V]
+        rows = self._target_rows(logits, draft_tokens, params, seq)
+        if params.greedy:
+            n, nxt = greedy_verify(draft_tokens[None], rows[None])
+        else:
+            q = None if draft_probs is None else draft_probs[None]
+            n, nxt = rejection_sample(draft_tokens[None], q, rows[None], gen)
+        host = torch.cat([n, nxt, draft_tokens]).tolist()  # the round's one device -> host sync
+        t2 = time.perf_counter()
+        stats.draft_seconds += t1 - t0
+        stats.target_seconds += t2 - t1
+        stats.target_forwards += 1
+
+        accepted = host[0]
+        committed = host[2 : 2 + accepted] + [host[1]]
+        seq.extend(committed, torch.cat([draft_tokens[:accepted], nxt]))
+        self.target.rollback(len(seq) - 1)
+        if k > 0:
+            self.proposer.observe(seq, k, accepted)
+            stats.observe(k, accepted)
+        return accepted, committed
+
+    def _stop_index(self, generated: list[int], start: int, stop: StopFn | None) -> int | None:
+        """Number of generated tokens to keep if a stop was hit among generated[start:], else None."""
+        for i in range(start, len(generated)):
+            if generated[i] in self.eos_token_ids:
+                return i + 1
+        return stop(generated) if stop is not None else None
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _rounds(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        num_draft_tokens: int,
+        stop: StopFn | None,
+        result: GenerationResult,
+    ) -> Iterator[list[int]]:
+        stats = result.stats
+        t_start = time.perf_counter()
+        max_new_tokens = min(max_new_tokens, self.target.max_length - len(prompt_ids))
+        seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + num_draft_tokens + 1, self.device)
+        gen = make_generator(params.seed, self.device)
+        self._prefill(seq)
+        if self.proposer is not None and num_draft_tokens > 0:
+            self.proposer.start(seq, params, gen)
+        stats.prefill_seconds = time.perf_counter() - t_start
+
+        generated = 0
+        while generated < max_new_tokens:
+            k = min(num_draft_tokens if self.proposer is not None else 0, max_new_tokens - generated - 1)
+            _, committed = self._round(seq, k, params, gen, stats)
+            self._target_held = seq.ids[: self.target.length]
+            keep = self._stop_index(seq.generated, generated, stop)
+            if keep is not None:
+                committed = committed[: max(0, keep - generated)]
+                seq.truncate(seq.prompt_length + keep)
+                result.finish_reason = "stop"
+            generated = len(seq.generated)
+            result.token_ids = seq.generated
+            stats.new_tokens = generated
+            stats.seconds = time.perf_counter() - t_start
+            if committed:
+                yield committed
+            if keep is not None:
+                return
+        result.finish_reason = "length"
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        num_draft_tokens: int | None = None,
+        stop: StopFn | None = None,
+    ) -> Generation:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.target.max_length:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.target.max_length}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        if k < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {k}")
+        result = GenerationResult(token_ids=[], finish_reason="length")
+        result.stats.prompt_tokens = len(prompt_ids)
+        return Generation(self._rounds(list(prompt_ids), params, max_new_tokens, k, stop, result), result)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs) -> GenerationResult:
+        generation = self.stream(prompt_ids, params, **kwargs)
+        for _ in generation:
+            pass
+        return generation.result

@@ -1,0 +1,83 @@
+"""A smaller causal LM drafts k tokens autoregressively from its own processed distribution q."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verispec.backends.base import Model, common_prefix_length
+from verispec.proposers.base import Draft
+from verispec.sampling import SamplingParams, presence_rows, probs_from_logits, process_logits
+from verispec.sequence import TokenSequence
+
+
+def context_presence(seq: TokenSequence, vocab_size: int) -> torch.Tensor:
+    """[V] bool: which tokens occur in the committed sequence (for the repetition penalty)."""
+    ids = seq.device_ids
+    presence = torch.zeros(vocab_size, dtype=torch.bool, device=ids.device)
+    return presence.index_fill_(0, ids, True)
+
+
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft logits [n, Vd] -> [n, vocab_size]: extra entries cut, missing ones -inf (q = 0 there)."""
+    width = logits.shape[-1]
+    if width == vocab_size:
+        return logits
+    if width > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - width), -math.inf)
+    return torch.cat([logits, pad], dim=-1)
+
+
+class DraftModelProposer:
+    """Drafts with `model`. Its cache holds a prefix of the committed sequence (plus, mid-round, its
+    own drafts); after verification it is cropped to what was committed, and the next round first
+    feeds the committed tokens it has not seen (one, or two when all drafts were accepted: it never
+    processed its own last draft)."""
+
+    uses_model = True
+
+    def __init__(self, model: Model, vocab_size: int) -> None:
+        self.model = model
+        self.vocab_size = vocab_size  # the target's
+        self.held: list[int] = []  # host copy of the committed tokens in the draft's cache
+        self.params = SamplingParams()
+        self.generator: torch.Generator | None = None
+        self._base = 0  # len(seq) when the last draft started
+
+    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+        self.params, self.generator = params, generator
+        keep = min(common_prefix_length(self.held, seq.ids), len(seq) - 1, self.model.length)
+        self.model.rollback(keep)
+        if keep < len(seq) - 1:  # prefill all but the last token; the first round feeds that one
+            self.model.forward(seq.device_ids[keep:-1], last_only=True)
+        self.held = seq.ids[: self.model.length]
+
+    def propose(self, seq: TokenSequence, k: int) -> Draft:
+        params = self.params
+        feed = seq.device_ids[self.model.length :]  # [m >= 1] committed tokens not yet seen
+        self._base = len(seq)
+        presence = context_presence(seq, self.vocab_size) if params.penalised else None
+        tokens, probs = [], []
+        for _ in range(k):
+            logits = align_vocab(self.model.forward(feed, last_only=True)[-1:], self.vocab_size)  # [1, V]
+            if params.greedy:
+                token = process_logits(logits, params, presence).argmax(dim=-1)  # [1]
+            else:
+                q = probs_from_logits(logits, params, presence)  # [1, V]
+                token = torch.multinomial(q, 1, generator=self.generator).view(1)
+                probs.append(q)
+            if presence is not None:
+                presence = presence_rows(presence, token)[-1]
+            tokens.append(token)
+            feed = token
+        draft_tokens = torch.cat(tokens) if tokens else seq.device_ids.new_empty(0)
+        draft_probs = torch.cat(probs) if probs else None
+        return Draft(draft_tokens, draft_probs)
+
+    def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
+        # The cache holds seq[:_base] + drafts[:drafted - 1]; the first `accepted` drafts were committed.
+        keep = min(self.model.length, self._base + accepted)
+        self.model.rollback(keep)
+        self.held = seq.ids[:keep]

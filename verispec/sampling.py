@@ -1,0 +1,139 @@
+"""Sampling parameters and the logits -> distribution processing shared by target and draft.
+
+Speculative decoding is lossless only if the target's distribution p and the draft's distribution q
+are produced by the *same* processing, row by row, from each model's logits. Everything that turns
+logits into a distribution lives here, so plain decoding, the draft and the verifier cannot drift apart.
+
+Order of processing (as in Hugging Face's generation): repetition penalty over the context so far,
+then temperature, top-k, top-p, min-p. Temperature 0 means greedy: the distribution is one-hot on the
+argmax of the penalised logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    repetition_penalty: float = 1.0  # 1.0: off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """An explicit generator on `device`; the global RNG is never touched."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def presence_rows(presence: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per-row context presence for rows that each see one more token of `tokens`.
+
+    presence: [V] bool, the tokens of the committed context. tokens: [n] the tokens appended one per row.
+    Returns [n+1, V] bool: row i = presence | tokens[:i].
+    """
+    n = tokens.numel()
+    rows = presence.unsqueeze(0).repeat(n + 1, 1)  # [n+1, V]
+    if n:
+        onehot = torch.zeros(n + 1, presence.numel(), dtype=torch.int32, device=presence.device)
+        onehot[torch.arange(1, n + 1, device=presence.device), tokens] = 1
+        rows |= onehot.cumsum(0) > 0
+    return rows
+
+
+def apply_repetition_penalty(logits: torch.Tensor, presence: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF semantics: logits of tokens already in the context are divided by `penalty` if positive,
+    multiplied if negative. logits: [n, V] fp32; presence: [n, V] or [V] bool."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(presence, penalised, logits)
+
+
+def _filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [n, 1]
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better-ranked tokens
+    drop_sorted = mass_before >= top_p  # keeps the smallest prefix whose mass reaches top_p (>= 1 token)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, -math.inf)
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+def process_logits(
+    logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Penalised, filtered logits in fp32 ([n, V] in, [n, V] out). Temperature is applied only when > 0."""
+    logits = logits.float()
+    if params.penalised:
+        assert presence is not None, "repetition penalty needs the context presence mask"
+        logits = apply_repetition_penalty(logits, presence, params.repetition_penalty)
+    if params.greedy:
+        return logits
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    logits = _filter_top_k(logits, params.top_k)
+    logits = _filter_top_p(logits, params.top_p)
+    logits = _filter_min_p(logits, params.min_p)
+    return logits
+
+
+def probs_from_logits(
+    logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The processed distribution, fp32 [n, V]. Greedy gives the one-hot of the argmax."""
+    processed = process_logits(logits, params, presence)
+    if params.greedy:
+        probs = torch.zeros_like(processed)
+        return probs.scatter_(-1, processed.argmax(dim=-1, keepdim=True), 1.0)
+    return processed.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [n, V] -> [n]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

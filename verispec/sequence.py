@@ -1,0 +1,36 @@
+"""The committed token sequence, mirrored on the host (list) and on the device (buffer)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenSequence:
+    """Committed tokens: `ids` on the host, `buffer[:len]` on the device. Appending device tokens
+    writes the buffer without a host round-trip; the host list is filled from the round's one sync."""
+
+    def __init__(self, prompt: list[int], capacity: int, device: torch.device) -> None:
+        self.ids: list[int] = list(prompt)
+        self.prompt_length = len(prompt)
+        self.buffer = torch.empty(max(capacity, len(prompt)), dtype=torch.long, device=device)
+        self.buffer[: len(prompt)] = torch.tensor(prompt, dtype=torch.long).to(device)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def device_ids(self) -> torch.Tensor:
+        return self.buffer[: len(self.ids)]
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.prompt_length :]
+
+    def extend(self, host: list[int], device: torch.Tensor) -> None:
+        """Append tokens known both on the host and the device (same values)."""
+        start = len(self.ids)
+        self.buffer[start : start + len(host)] = device
+        self.ids.extend(host)
+
+    def truncate(self, length: int) -> None:
+        del self.ids[length:]
