@@ -46,3 +46,41 @@ def make_engine(target, draft=None, k: int = 4, eos=()) -> SpeculativeGenerator:
     t = HFModel(target)
     proposer = DraftModelProposer(HFModel(draft), t.vocab_size) if draft is not None else None
     return SpeculativeGenerator(t, proposer, eos_token_ids=eos, num_draft_tokens=k)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + 3 specials, no merges): multi-byte characters span
+    several tokens, which is what streaming detokenisation must handle."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>", "<|endoftext|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def save_tiny_pair(root, vocab_size: int = 264):
+    """Write a tiny target and draft (sharing the byte tokenizer) as HF directories; returns their paths."""
+    tok = byte_tokenizer()
+    target = tiny_qwen2(21, vocab_size=vocab_size, init=0.1)
+    draft = perturbed(target, seed=22, noise=0.1)
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        path = root / name
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        paths.append(str(path))
+    return paths

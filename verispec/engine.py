@@ -125,10 +125,12 @@ class SpeculativeGenerator:
 
     def _stop_index(self, generated: list[int], start: int, stop: StopFn | None) -> int | None:
         """Number of generated tokens to keep if a stop was hit among generated[start:], else None."""
-        for i in range(start, len(generated)):
-            if generated[i] in self.eos_token_ids:
-                return i + 1
-        return stop(generated) if stop is not None else None
+        keep = next((i + 1 for i in range(start, len(generated)) if generated[i] in self.eos_token_ids), None)
+        if stop is not None:
+            at_stop = stop(generated[:keep] if keep is not None else generated)
+            if at_stop is not None:
+                keep = at_stop
+        return keep
 
     # -- the loop ----------------------------------------------------------------------------------
 

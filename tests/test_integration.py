@@ -1,0 +1,51 @@
+"""Real models from the verispec cache (`make setup` installs them). Selected with `-m integration`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verispec.cli import main
+from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def _need(*names: str) -> None:
+    missing = [n for n in names if installed(n) is None]
+    if missing:
+        pytest.fail(f"models not installed: {missing}; run `make setup` (verispec models pull ...)")
+
+
+def _generate(capsys, *argv) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_smollm2_chat_answer(capsys):
+    _need("smollm2-135m-instruct")
+    m = "smollm2-135m-instruct"
+    common = ["--target", m, "--draft", m, "--chat", "--prompt", "What is the capital of France?",
+              "--max-new-tokens", "24", "--dtype", "fp32"]
+    spec = _generate(capsys, *common)
+    plain = _generate(capsys, *common, "--no-speculation")
+    assert "Paris" in spec["text"]
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["stats"]["acceptance_rate"] > 0.9  # the draft is the target itself
+
+
+def test_default_pair_greedy_identical_fp32(capsys):
+    """The issue's check: same token_ids with and without speculation, fp32, one chat prompt."""
+    _need(DEFAULT_TARGET, DEFAULT_DRAFT)
+    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--dtype", "fp32"]
+    spec = _generate(capsys, *common, "--num-draft-tokens", "4")
+    plain = _generate(capsys, *common, "--no-speculation")
+    assert spec["token_ids"] == plain["token_ids"]
+    s = spec["stats"]
+    speedup = s["tokens_per_second"] / plain["stats"]["tokens_per_second"]
+    print(f"\ndefault pair fp32: acceptance {s['acceptance_rate']:.3f}, mean accepted length "
+          f"{s['mean_accepted_length']:.2f}, speedup {speedup:.2f}x (same run)")
+    assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often

