@@ -87,6 +87,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    from verispec.chat import ChatBot
+    from verispec.repl import run_repl
+
+    params = _sampling(args)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    pipe = _pipeline(args)
+    bot = ChatBot(pipe, system_prompt=args.system, params=params, max_new_tokens=args.max_new_tokens,
+                  stop=tuple(args.stop), measure_plain=args.measure_plain)
+    interactive = sys.stdin.isatty()
+    draft = f"draft {pipe.draft_ref} (k={pipe.generator.num_draft_tokens})" if pipe.draft_ref else "no speculation"
+    banner = f"verispec chat: target {pipe.target_ref}, {draft}, {pipe.device}"
+    return run_repl(bot, interactive, banner)
+
+
 def _progress_printer():
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -161,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="multi-turn chat with streaming answers and acceptance statistics")
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--measure-plain", action="store_true",
+                   help="after each answer, also time plain decoding of it and show the speedup")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
 
     m = sub.add_parser("models", help="install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])

@@ -192,7 +192,26 @@ class SpeculativeGenerator:
             raise ValueError(f"num_draft_tokens must be >= 0, got {k}")
         result = GenerationResult(token_ids=[], finish_reason="length")
         result.stats.prompt_tokens = len(prompt_ids)
-        return Generation(self._rounds(list(prompt_ids), params, max_new_tokens, k, stop, result), result)
+        return Generation(self._guarded(self._rounds(list(prompt_ids), params, max_new_tokens, k, stop, result)), result)
+
+    def _guarded(self, rounds: Iterator[list[int]]) -> Iterator[list[int]]:
+        """An exception inside a round (e.g. KeyboardInterrupt mid-forward) may leave a cache half
+        updated: forget both caches then, so the next generation starts clean. Closing the generation
+        between rounds (GeneratorExit at a yield) is a consistent point and keeps them."""
+        try:
+            yield from rounds
+        except GeneratorExit:
+            raise
+        except BaseException:
+            self.reset()
+            raise
+
+    def reset(self) -> None:
+        """Drop all cached state (both models' KV caches)."""
+        self.target.reset()
+        self._target_held = []
+        if self.proposer is not None:
+            self.proposer.reset()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs) -> GenerationResult:
         generation = self.stream(prompt_ids, params, **kwargs)

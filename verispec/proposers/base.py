@@ -25,3 +25,6 @@ class Proposer(Protocol):
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of `drafted` tokens were committed to `seq`."""
+
+    def reset(self) -> None:
+        """Forget all state (caches)."""

@@ -76,6 +76,10 @@ class DraftModelProposer:
         draft_probs = torch.cat(probs) if probs else None
         return Draft(draft_tokens, draft_probs)
 
+    def reset(self) -> None:
+        self.model.reset()
+        self.held = []
+
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         # The cache holds seq[:_base] + drafts[:drafted - 1]; the first `accepted` drafts were committed.
         keep = min(self.model.length, self._base + accepted)
