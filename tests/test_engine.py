@@ -166,7 +166,9 @@ def test_bad_arguments(pair):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="context"):
-        eng.generate(list(range(1, 600)), max_new_tokens=3)
+        eng.generate([1] * 4100, max_new_tokens=3)
+    with pytest.raises(ValueError, match="out of range"):
+        eng.generate([1, 64], max_new_tokens=3)
 
 
 # -- the emitted distribution through the whole loop ----------------------------------------------

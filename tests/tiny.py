@@ -19,7 +19,7 @@ def tiny_qwen2(seed: int, vocab_size: int = 64, hidden: int = 64, layers: int = 
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,
         tie_word_embeddings=False,
         initializer_range=init,
     )

@@ -9,14 +9,15 @@ import sys
 from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -> None:
     p.add_argument("--target", help="target model: known name, HF directory, .gguf file or hub id (default: the default pair)")
     p.add_argument("--draft", help="draft model (same forms); default: the default pair's draft")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="draft tokens per round (default 4)")
-    p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
     p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
+    if speculation_flags:
+        p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="draft tokens per round (default 4)")
+        p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +104,73 @@ def cmd_chat(args) -> int:
     return run_repl(bot, interactive, banner)
 
 
+def _k_list(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--num-draft-tokens takes integers separated by commas, got {text!r}") from None
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"--num-draft-tokens needs values >= 1, got {text!r}")
+    return ks
+
+
+def cmd_bench(args) -> int:
+    import datetime
+    import platform
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from verispec.bench.harness import Config, run_benchmark
+    from verispec.bench.loader import load_prompts, select
+    from verispec.bench.report import build_report, render_table, write_plots
+    from verispec.pipeline import build_pipeline, default_refs
+
+    params = _sampling(args)
+    ks = _k_list(args.num_draft_tokens)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts = select(load_prompts(args.prompts), args.limit, args.per_category)
+    if not prompts:
+        raise ValueError("no prompts selected")
+    configs = [Config(f"verispec k={k}", "spec", k) for k in ks]
+    if "hf" in args.compare:
+        configs.append(Config("hf assisted", "hf"))
+    target, draft = default_refs(args.target, args.draft, True, args.pull)
+    pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0])
+    console = _stderr_console()
+    progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
+    total = len(prompts) * (1 + len(configs))
+    with progress:
+        task = progress.add_task("bench", total=total, last="warm-up")
+        runs = run_benchmark(
+            pipe, prompts, configs, params, args.max_new_tokens, warmup=args.warmup,
+            on_run=lambda r: progress.update(task, advance=1, last=f"{r.category}/{r.config}: {r.tokens_per_second:.1f} tok/s"),
+        )
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
+                    "torch": torch.__version__, "device": str(pipe.device)},
+        "target": target, "draft": draft, "device": str(pipe.device), "dtype": args.dtype,
+        "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
+        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
+    }
+    report = build_report(runs, configs, meta)
+    from rich.console import Console
+
+    Console(width=200).print(render_table(report))
+    if args.plot_dir:
+        report["plots"] = [str(p) for p in write_plots(report, args.plot_dir)]
+    document = json.dumps(report)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(document + "\n")
+    print(document)
+    return 0
+
+
 def _progress_printer():
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -185,6 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="plain vs speculative decoding, same run: tables, JSON, plots")
+    b.add_argument("--prompts", help="Spec-Bench/MT-Bench jsonl, HumanEval jsonl(.gz) or text file (default: built-in set)")
+    b.add_argument("--limit", type=int, help="at most N prompts")
+    b.add_argument("--per-category", type=int, help="at most N prompts per category")
+    b.add_argument("--num-draft-tokens", "-k", default="4", help="k values to compare, e.g. 2,4,6 (default 4)")
+    b.add_argument("--compare", action="append", default=[], choices=["hf"],
+                   help="also run an external reference: hf = Hugging Face assisted generation")
+    b.add_argument("--json-out", help="also write the JSON document to this file")
+    b.add_argument("--plot-dir", help="write PNG plots here")
+    b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")
+    _add_model_args(b, speculation_flags=False)
+    _add_sampling_args(b)
+    b.set_defaults(func=cmd_bench, max_new_tokens=128)
 
     m = sub.add_parser("models", help="install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])

@@ -187,6 +187,8 @@ class SpeculativeGenerator:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.target.max_length}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.target.vocab_size:
+            raise ValueError(f"a prompt token id is out of range for the vocabulary of {self.target.vocab_size}")
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         if k < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {k}")

@@ -1,0 +1,139 @@
+"""The benchmark harness on tiny models: prompt formats, JSON schema, identity check, bound, plots."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import pytest
+
+import verispec.bench.harness as harness
+from tiny import save_tiny_pair
+from verispec.bench.harness import Config, first_difference, run_benchmark
+from verispec.bench.loader import load_prompts, select
+from verispec.bench.report import alpha_from_mean_length, build_report, leviathan_bound, write_plots
+from verispec.cli import main
+from verispec.pipeline import build_pipeline
+from verispec.sampling import SamplingParams
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("bench"))
+
+
+def test_leviathan_bound_known_values():
+    # alpha = 0.8, k = 4, c = 0.1: (1 - 0.8^5) / (0.2 * 1.4) = 0.67232 / 0.28
+    assert math.isclose(leviathan_bound(0.8, 4, 0.1), 0.67232 / 0.28, rel_tol=1e-12)
+    assert leviathan_bound(0.0, 4, 0.5) == pytest.approx(1 / 3)  # nothing accepted: pure cost
+    assert leviathan_bound(1.0, 3, 0.0) == 4.0  # all accepted, free draft: k + 1
+    assert leviathan_bound(0.5, 1, 0.0) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        leviathan_bound(1.5, 2, 0.1)
+
+
+@pytest.mark.parametrize("alpha, k", [(0.3, 2), (0.8, 4), (0.95, 8)])
+def test_alpha_inverts_expected_length(alpha, k):
+    mean_len = (1 - alpha ** (k + 1)) / (1 - alpha)
+    assert alpha_from_mean_length(mean_len, k) == pytest.approx(alpha, abs=1e-9)
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_prompt_formats(tmp_path):
+    spec = tmp_path / "q.jsonl"
+    spec.write_text("\n".join(json.dumps(r) for r in [
+        {"question_id": 1, "category": "writing", "turns": ["a", "b"]},
+        {"question_id": 2, "category": "coding", "turns": ["c"]},
+        {"question_id": 3, "category": "qa", "turns": ["d"]},
+        {"question_id": 4, "category": "qa", "turns": ["e"]},
+    ]))
+    prompts = load_prompts(spec, group_mt_bench=True)
+    assert [(p.category, p.text, p.chat) for p in prompts] == [
+        ("mt_bench", "a", True), ("mt_bench", "c", True), ("qa", "d", True), ("qa", "e", True)]
+    assert [p.id for p in select(prompts, per_category=1)] == ["1", "3"]
+    assert len(select(prompts, limit=3)) == 3
+    he = tmp_path / "he.jsonl.gz"
+    with gzip.open(he, "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n"}) + "\n")
+    assert load_prompts(he)[0].chat is False and load_prompts(he)[0].category == "humaneval"
+    txt = tmp_path / "p.txt"
+    txt.write_text("one\ntwo\n")
+    assert [p.text for p in load_prompts(txt)] == ["one", "two"]
+    assert len(load_prompts(None)) >= 12 and {"chat", "code", "code-editing", "summarization", "qa", "math"} <= {
+        p.category for p in load_prompts(None)}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"x": 1}\n')
+    with pytest.raises(ValueError, match="expected a 'turns'"):
+        load_prompts(bad)
+
+
+def _bench(pair_dirs, monkeypatch=None, params=SamplingParams()):
+    target, draft = pair_dirs
+    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    prompts = select(load_prompts(None), per_category=1)[:4]
+    configs = [Config("verispec k=2", "spec", 2), Config("verispec k=4", "spec", 4), Config("hf assisted", "hf")]
+    runs = run_benchmark(pipe, prompts, configs, params, max_new_tokens=12)
+    return build_report(runs, configs, {"target": target, "draft": draft}), runs
+
+
+def test_report_schema_and_identity(pair_dirs, tmp_path):
+    report, runs = _bench(pair_dirs)
+    assert len(runs) == 4 * 4
+    names = [c["name"] for c in report["configs"]]
+    assert names == ["plain", "verispec k=2", "verispec k=4", "hf assisted"]
+    for entry in report["configs"][1:3]:
+        o = entry["overall"]
+        for key in ("tokens_per_second", "speedup_median", "speedup_p25", "speedup_p75", "acceptance_rate",
+                    "mean_accepted_length", "acceptance_by_position", "cost_ratio_c", "alpha", "bound", "efficiency"):
+            assert key in o, key
+        assert o["identity"] == {"checked": 4, "mismatches": 0, "first_diff": {}}
+        assert len(o["acceptance_by_position"]) == entry["k"]
+        assert set(entry["by_category"]) == set(report["categories"])
+    assert "identity" in report["configs"][3]["overall"]  # HF's output is checked too
+    json.dumps(report)  # serialisable
+    paths = write_plots(report, tmp_path / "plots")
+    assert [p.name for p in paths] == ["speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_k.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
+
+
+def test_identity_check_catches_planted_mismatch(pair_dirs, monkeypatch):
+    real = harness._run_engine
+
+    def planted(pipe, ids, params, max_new, k):
+        out = real(pipe, ids, params, max_new, k)
+        if k == 4:  # corrupt one token of one configuration
+            out["token_ids"] = out["token_ids"][:5] + [(out["token_ids"][5] + 1) % 200] + out["token_ids"][6:]
+        return out
+
+    monkeypatch.setattr(harness, "_run_engine", planted)
+    report, _ = _bench(pair_dirs)
+    ident = {c["name"]: c["overall"]["identity"] for c in report["configs"][1:3]}
+    assert ident["verispec k=2"]["mismatches"] == 0
+    assert ident["verispec k=4"]["mismatches"] == 4
+    assert set(ident["verispec k=4"]["first_diff"].values()) == {5}
+
+
+def test_cli_bench_end_to_end(pair_dirs, tmp_path, capsys):
+    target, draft = pair_dirs
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\nworld\n")
+    out_json = tmp_path / "r.json"
+    code = main(["bench", "--target", target, "--draft", draft, "--dtype", "fp32", "--prompts", str(prompts),
+                 "--max-new-tokens", "10", "-k", "2,3", "--compare", "hf", "--json-out", str(out_json),
+                 "--plot-dir", str(tmp_path / "plots")])
+    assert code == 0
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last == json.loads(out_json.read_text())
+    assert "speedup" in out and "bound" in out
+    assert len(last["plots"]) == 3
+    assert main(["bench", "--target", target, "--draft", draft, "-k", "0"]) == 2

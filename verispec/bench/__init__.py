@@ -1,0 +1,1 @@
+"""The benchmark harness: plain vs speculative decoding, interleaved in one process."""

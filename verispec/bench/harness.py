@@ -1,0 +1,139 @@
+"""Run plain decoding (the baseline) and each speculative configuration on every prompt, interleaved in
+one process so that drift on a noisy machine hits all of them alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.bench.loader import Prompt
+from verispec.pipeline import Pipeline
+from verispec.sampling import SamplingParams
+from verispec.text import encode_prompt
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    kind: str  # "plain" (the baseline), "spec" (verispec with the draft model), "hf" (HF assisted generation)
+    k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("plain", "spec", "hf"):
+            raise ValueError(f"unknown configuration kind {self.kind!r}")
+
+
+@dataclass
+class Run:
+    prompt_id: str
+    category: str
+    config: str
+    new_tokens: int
+    seconds: float
+    token_ids: list[int] = field(repr=False)
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    draft_forwards: int = 0
+    target_forwards: int = 0
+    speedup: float | None = None  # tokens/s over the baseline's on the same prompt
+    identical: bool | None = None  # greedy: token-identical to the baseline
+    first_diff: int | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """First position where two token lists differ (a length difference counts), else None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int) -> dict:
+    pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
+    result = pipe.generator.generate(ids, params, max_new_tokens=max_new, num_draft_tokens=k)
+    s = result.stats
+    return dict(
+        new_tokens=s.new_tokens, seconds=s.seconds, token_ids=result.token_ids, drafted=s.drafted,
+        accepted=s.accepted, rounds=s.rounds, accepted_per_position=s.accepted_per_position,
+        drafted_per_position=s.drafted_per_position, draft_seconds=s.draft_seconds,
+        target_seconds=s.target_seconds, draft_forwards=s.draft_forwards, target_forwards=s.target_forwards,
+    )
+
+
+def _run_hf_assisted(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int) -> dict:
+    """Hugging Face's own assisted generation on the same two models (library defaults for the draft)."""
+    target = pipe.generator.target.model
+    draft = pipe.generator.proposer.model.model
+    input_ids = torch.tensor([ids], device=pipe.device)
+    kwargs: dict = dict(max_new_tokens=max_new, assistant_model=draft, attention_mask=torch.ones_like(input_ids),
+                        eos_token_id=sorted(pipe.generator.eos_token_ids) or None)
+    if params.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                      top_k=params.top_k or None, min_p=params.min_p or None)
+    if params.penalised:
+        kwargs["repetition_penalty"] = params.repetition_penalty
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(input_ids, **kwargs)
+    seconds = time.perf_counter() - t0
+    new = out[0, len(ids):].tolist()
+    return dict(new_tokens=len(new), seconds=seconds, token_ids=new)
+
+
+def run_benchmark(
+    pipe: Pipeline,
+    prompts: list[Prompt],
+    configs: list[Config],
+    params: SamplingParams,
+    max_new_tokens: int,
+    warmup: int = 1,
+    on_run: Callable[[Run], None] | None = None,
+) -> list[Run]:
+    """Returns one Run per (prompt, configuration), the baseline's included (config 'plain')."""
+    plain = Config("plain", "plain")
+    order = [plain] + [c for c in configs if c.kind != "plain"]
+    encoded = [encode_prompt(pipe.tokenizer, p.text, p.chat) for p in prompts]
+    if encoded and warmup:
+        for config in order:  # warm-up: allocator, kernels, caches; results discarded
+            for _ in range(warmup):
+                _one(pipe, config, encoded[0], params, min(8, max_new_tokens))
+    runs: list[Run] = []
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        # A B A B ...: alternate the order so neither the baseline nor a configuration always runs first
+        this_order = order if i % 2 == 0 else order[::-1]
+        by_config = {}
+        for config in this_order:
+            by_config[config.name] = Run(prompt.id, prompt.category, config.name,
+                                         **_one(pipe, config, ids, params, max_new_tokens))
+        base = by_config["plain"]
+        for config in order:
+            run = by_config[config.name]
+            if config.kind != "plain":
+                run.speedup = run.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
+                if params.greedy:
+                    run.first_diff = first_difference(run.token_ids, base.token_ids)
+                    run.identical = run.first_diff is None
+            runs.append(run)
+            if on_run is not None:
+                on_run(run)
+    return runs
+
+
+def _one(pipe: Pipeline, config: Config, ids: list[int], params: SamplingParams, max_new: int) -> dict:
+    if config.kind == "hf":
+        return _run_hf_assisted(pipe, ids, params, max_new)
+    return _run_engine(pipe, ids, params, max_new, config.k if config.kind == "spec" else 0)
