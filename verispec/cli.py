@@ -171,6 +171,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from verispec.server.app import ServerSettings, create_app
+    from verispec.server.run import serve
+
+    pipe = _pipeline(args)
+    names = tuple(dict.fromkeys(n for n in (args.served_model_name, pipe.target_ref, "verispec") if n))
+    settings = ServerSettings(model_names=names, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                              max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
+                              max_body_bytes=args.max_body_bytes, api_key=args.api_key)
+    app = create_app(pipe, settings)
+    print(f"verispec serve: {', '.join(names)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve(app, args.host, args.port, args.log_level)
+    print("verispec serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
 def _progress_printer():
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -267,6 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b, speculation_flags=False)
     _add_sampling_args(b)
     b.set_defaults(func=cmd_bench, max_new_tokens=128)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    sv.add_argument("--served-model-name", help="the model name clients use (the target's name is always accepted)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429 (default 64)")
+    sv.add_argument("--max-prompt-tokens", type=int, default=8192)
+    sv.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
+    sv.add_argument("--default-max-tokens", type=int, default=512)
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    sv.add_argument("--log-level", default="info")
+    _add_model_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])

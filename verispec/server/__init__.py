@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server on the speculative engine."""
