@@ -88,21 +88,28 @@ def _request(i: int, rng: random.Random, model: str, max_tokens: int, disconnect
 async def _send(client: httpx.AsyncClient, url: str, spec) -> dict:
     kind, path, body, stream, disconnect = spec
     headers = {"content-type": "application/json"}
+    started = time.perf_counter()
     try:
-        if not stream:
-            r = await client.post(url + path, content=body, headers=headers)
-            ok = r.status_code == 200 and "choices" in r.json()
-            return {"kind": kind, "status": r.status_code, "completed": ok, "disconnect": False}
-        async with client.stream("POST", url + path, content=body, headers=headers) as r:
-            done = False
-            async for line in r.aiter_lines():
-                if disconnect and line.startswith("data:"):
-                    break  # drop the connection mid-stream
-                if line == "data: [DONE]":
-                    done = True
-            return {"kind": kind, "status": r.status_code, "completed": done, "disconnect": disconnect}
+        return {**await _send_once(client, url, kind, path, body, stream, disconnect, headers),
+                "seconds": time.perf_counter() - started}
     except httpx.HTTPError as exc:
-        return {"kind": kind, "status": 0, "completed": False, "disconnect": disconnect, "error": repr(exc)}
+        return {"kind": kind, "status": 0, "completed": False, "disconnect": disconnect, "error": repr(exc),
+                "seconds": time.perf_counter() - started}
+
+
+async def _send_once(client, url, kind, path, body, stream, disconnect, headers) -> dict:
+    if not stream:
+        r = await client.post(url + path, content=body, headers=headers)
+        ok = r.status_code == 200 and "choices" in r.json()
+        return {"kind": kind, "status": r.status_code, "completed": ok, "disconnect": False}
+    async with client.stream("POST", url + path, content=body, headers=headers) as r:
+        done = False
+        async for line in r.aiter_lines():
+            if disconnect and line.startswith("data:"):
+                break  # drop the connection mid-stream
+            if line == "data: [DONE]":
+                done = True
+        return {"kind": kind, "status": r.status_code, "completed": done, "disconnect": disconnect}
 
 
 async def run(args) -> dict:
@@ -160,6 +167,7 @@ async def run(args) -> dict:
         "malformed_4xx": sum(400 <= r["status"] < 500 for r in malformed),
         "malformed_5xx": sum(r["status"] >= 500 for r in malformed),
         "status_counts": {str(s): sum(r["status"] == s for r in results) for s in sorted({r["status"] for r in results})},
+        "slowest": sorted(((round(r["seconds"], 2), r["kind"], r["status"]) for r in results), reverse=True)[:8],
         "rss_mb_at_200": round(rss.get("at_200", 0) / 2**20, 1),
         "rss_mb_at_end": round(rss["at_end"] / 2**20, 1),
         "rss_growth_percent": round(100 * (rss["at_end"] - rss["at_200"]) / rss["at_200"], 2) if rss.get("at_200") else 0,

@@ -42,9 +42,15 @@ def perturbed(model, seed: int, noise: float):
     return copy
 
 
-def make_engine(target, draft=None, k: int = 4, eos=()) -> SpeculativeGenerator:
+def make_engine(target, draft=None, k: int = 4, eos=(), drafter: str = "model") -> SpeculativeGenerator:
+    from verispec.proposers import HybridProposer, NgramProposer
+
     t = HFModel(target)
     proposer = DraftModelProposer(HFModel(draft), t.vocab_size) if draft is not None else None
+    if drafter == "ngram":
+        proposer = NgramProposer(max_ngram=3, min_ngram=1)
+    elif drafter == "hybrid":
+        proposer = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1), proposer, min_confident=2)
     return SpeculativeGenerator(t, proposer, eos_token_ids=eos, num_draft_tokens=k)
 
 

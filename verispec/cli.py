@@ -16,6 +16,9 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
     p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
     if speculation_flags:
+        p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
+                       help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
+                            "matches confidently, else the draft LM (default model)")
         p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="draft tokens per round (default 4)")
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
 
@@ -49,8 +52,9 @@ def _pipeline(args):
 
     if args.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
-    target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull)
-    return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens)
+    target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull, args.drafter)
+    drafter = args.drafter if not args.no_speculation else "model"
+    return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens, drafter)
 
 
 def cmd_generate(args) -> int:
@@ -80,6 +84,7 @@ def cmd_generate(args) -> int:
             "prompt_tokens": len(prompt_ids),
             "target": pipe.target_ref,
             "draft": pipe.draft_ref,
+            "drafter": pipe.drafter,
             "stats": result.stats.to_dict(),
         }))
     else:
@@ -99,7 +104,9 @@ def cmd_chat(args) -> int:
     bot = ChatBot(pipe, system_prompt=args.system, params=params, max_new_tokens=args.max_new_tokens,
                   stop=tuple(args.stop), measure_plain=args.measure_plain)
     interactive = sys.stdin.isatty()
-    draft = f"draft {pipe.draft_ref} (k={pipe.generator.num_draft_tokens})" if pipe.draft_ref else "no speculation"
+    k = pipe.generator.num_draft_tokens
+    draft = {"none": "no speculation", "ngram": f"n-gram drafts (k={k})"}.get(
+        pipe.drafter, f"{pipe.drafter} drafter, draft {pipe.draft_ref} (k={k})")
     banner = f"verispec chat: target {pipe.target_ref}, {draft}, {pipe.device}"
     return run_repl(bot, interactive, banner)
 

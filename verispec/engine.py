@@ -97,9 +97,12 @@ class SpeculativeGenerator:
         if k > 0:
             draft = self.proposer.propose(seq, k)
             draft_tokens, draft_probs = draft.tokens, draft.probs
-            stats.draft_forwards += k if getattr(self.proposer, "uses_model", True) else 0
+            proposed = k
+            k = draft_tokens.numel()  # a proposer may offer fewer (n-gram: none without a match)
+            if getattr(self.proposer, "uses_model", True):
+                stats.draft_forwards += k
         else:
-            draft_tokens, draft_probs = seq.device_ids.new_empty(0), None
+            draft_tokens, draft_probs, proposed = seq.device_ids.new_empty(0), None, 0
         t1 = time.perf_counter()
         logits = self.target.forward(torch.cat([seq.device_ids[-1:], draft_tokens]))  # [k+1, V]
         rows = self._target_rows(logits, draft_tokens, params, seq)
@@ -118,8 +121,9 @@ class SpeculativeGenerator:
         committed = host[2 : 2 + accepted] + [host[1]]
         seq.extend(committed, torch.cat([draft_tokens[:accepted], nxt]))
         self.target.rollback(len(seq) - 1)
-        if k > 0:
+        if proposed > 0:
             self.proposer.observe(seq, k, accepted)
+        if k > 0:
             stats.observe(k, accepted)
         return accepted, committed
 

@@ -18,7 +18,9 @@ from verispec.loading import (
     resolve_dtype,
 )
 from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
-from verispec.proposers import DraftModelProposer
+from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+
+DRAFTERS = ("model", "ngram", "hybrid")
 
 
 @dataclass
@@ -28,17 +30,23 @@ class Pipeline:
     target_ref: str
     draft_ref: str | None
     device: torch.device
+    drafter: str
     load_seconds: dict[str, float] = field(default_factory=dict)
 
 
-def default_refs(target: str | None, draft: str | None, speculate: bool, pull_missing: bool = False):
+def default_refs(target: str | None, draft: str | None, speculate: bool, pull_missing: bool = False,
+                 drafter: str = "model"):
     """Fill in the default pair; say how to install it when it is missing."""
+    if drafter not in DRAFTERS:
+        raise ModelError(f"unknown drafter '{drafter}' (use {', '.join(DRAFTERS)})")
+    speculate_with_model = speculate and drafter != "ngram"
     if target is None:
         target = DEFAULT_TARGET
-        if draft is None and speculate:
+        if draft is None and speculate_with_model:
             draft = DEFAULT_DRAFT
-    if speculate and draft is None:
-        raise ModelError("no draft model: pass --draft (or --no-speculation for plain decoding)")
+    if speculate_with_model and draft is None:
+        raise ModelError("no draft model: pass --draft (or --drafter ngram, or --no-speculation for plain decoding)")
+    speculate = speculate_with_model
     for ref in (target, draft if speculate else None):
         if ref in (DEFAULT_TARGET, DEFAULT_DRAFT) and installed(ref) is None:
             if not pull_missing:
@@ -53,7 +61,14 @@ def build_pipeline(
     device: str = "auto",
     dtype: str = "bf16",
     num_draft_tokens: int = 4,
+    drafter: str = "model",
 ) -> Pipeline:
+    """`drafter`: model (the draft LM), ngram (prompt lookup, no draft model), hybrid (n-gram when it has a
+    confident match, the draft LM otherwise)."""
+    if drafter not in DRAFTERS:
+        raise ModelError(f"unknown drafter '{drafter}' (use {', '.join(DRAFTERS)})")
+    if drafter == "ngram":
+        draft = None
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -66,9 +81,12 @@ def build_pipeline(
     times["target"] = time.perf_counter() - t0
     backend = HFModel(target_model)
     proposer = None
-    if draft is not None:
+    if drafter == "ngram":
+        proposer = NgramProposer()
+    elif draft is not None:
         t0 = time.perf_counter()
-        proposer = DraftModelProposer(HFModel(load_model(draft, dev, dt)), backend.vocab_size)
+        model_proposer = DraftModelProposer(HFModel(load_model(draft, dev, dt)), backend.vocab_size)
         times["draft"] = time.perf_counter() - t0
+        proposer = HybridProposer(NgramProposer(), model_proposer) if drafter == "hybrid" else model_proposer
     engine = SpeculativeGenerator(backend, proposer, eos_token_ids(target_model, tokenizer), num_draft_tokens)
-    return Pipeline(engine, tokenizer, target, draft, dev, times)
+    return Pipeline(engine, tokenizer, target, draft, dev, drafter if proposer is not None else "none", times)

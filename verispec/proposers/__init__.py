@@ -1,4 +1,5 @@
 from verispec.proposers.base import Draft, Proposer
 from verispec.proposers.draft_model import DraftModelProposer
+from verispec.proposers.ngram import HybridProposer, NgramProposer
 
-__all__ = ["Draft", "Proposer", "DraftModelProposer"]
+__all__ = ["Draft", "Proposer", "DraftModelProposer", "HybridProposer", "NgramProposer"]

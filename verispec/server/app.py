@@ -142,8 +142,8 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
         max_tokens = req.requested_max_tokens() or settings.default_max_tokens
         if max_tokens > settings.max_tokens_cap:
             raise APIError(400, f"max_tokens is {max_tokens}; the limit is {settings.max_tokens_cap}", "max_tokens")
-        if req.drafter == "model" and not speculative:
-            raise APIError(400, "this server has no draft model", "drafter")
+        if req.drafter not in (None, "none") and req.drafter != pipeline.drafter:
+            raise APIError(400, f"this server drafts with '{pipeline.drafter}'; ask for that or 'none'", "drafter")
         k = 0 if req.drafter == "none" else req.num_draft_tokens
         if k is None:
             k = pipeline.generator.num_draft_tokens if speculative else 0

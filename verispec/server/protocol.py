@@ -58,7 +58,7 @@ class SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     num_draft_tokens: int | None = Field(None, ge=0, le=32)
-    drafter: Literal["model", "none"] | None = None
+    drafter: Literal["model", "ngram", "hybrid", "none"] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,85 @@
+"""Prompt lookup / n-gram drafting: propose the continuation of the most recent earlier occurrence of the
+sequence's last n tokens (n from max_ngram down to min_ngram). Zero model cost; strong when the output
+copies from the context (code editing, summarisation, RAG).
+
+Drafts are deterministic, so the verifier treats q as one-hot on them (`probs=None`): exact for sampling
+too. A round may propose fewer than k tokens, or none (no match): the engine then decodes plainly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.proposers.base import Draft
+from verispec.sampling import SamplingParams
+from verispec.sequence import TokenSequence
+
+
+def find_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """(up to k tokens that followed the latest earlier match of the longest matching suffix, its n)."""
+    L = len(tokens)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        suffix = tokens[L - n :]
+        first = suffix[0]
+        # latest start i < L - n with tokens[i:i+n] == suffix and at least one token after the match
+        for i in range(L - n - 1, -1, -1):
+            if tokens[i] == first and tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k], n
+    return [], 0
+
+
+class NgramProposer:
+    uses_model = False
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.last_match = 0  # n of the last match (0: none)
+
+    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+        self.last_match = 0
+
+    def propose(self, seq: TokenSequence, k: int) -> Draft:
+        tokens, self.last_match = find_continuation(seq.ids, k, self.max_ngram, self.min_ngram)
+        device = seq.buffer.device
+        return Draft(torch.tensor(tokens, dtype=torch.long).to(device), None)
+
+    def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.last_match = 0
+
+
+class HybridProposer:
+    """n-gram lookup when it has a confident match (a suffix of at least `min_confident` tokens), the draft
+    model otherwise. The draft model catches up on the tokens it skipped the next time it drafts."""
+
+    def __init__(self, ngram: NgramProposer, model, min_confident: int = 3) -> None:
+        self.ngram, self.model, self.min_confident = ngram, model, min_confident
+        self._last = None
+
+    @property
+    def uses_model(self) -> bool:
+        return self._last is self.model
+
+    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+        self.ngram.start(seq, params, generator)
+        self.model.start(seq, params, generator)
+
+    def propose(self, seq: TokenSequence, k: int) -> Draft:
+        draft = self.ngram.propose(seq, k)
+        if self.ngram.last_match >= self.min_confident and draft.tokens.numel() > 0:
+            self._last = self.ngram
+            return draft
+        self._last = self.model
+        return self.model.propose(seq, k)
+
+    def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
+        if self._last is not None:
+            self._last.observe(seq, drafted, accepted)
+
+    def reset(self) -> None:
+        self.ngram.reset()
+        self.model.reset()
