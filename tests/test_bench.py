@@ -79,16 +79,18 @@ def _bench(pair_dirs, monkeypatch=None, params=SamplingParams()):
     target, draft = pair_dirs
     pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
     prompts = select(load_prompts(None), per_category=1)[:4]
-    configs = [Config("verispec k=2", "spec", 2), Config("verispec k=4", "spec", 4), Config("hf assisted", "hf")]
+    configs = [Config("verispec k=2", "spec", 2), Config("verispec k=4", "spec", 4), Config("hf assisted", "hf"),
+               Config("ngram k=3", "spec", 3, "ngram"), Config("hf prompt lookup", "hf-lookup")]
     runs = run_benchmark(pipe, prompts, configs, params, max_new_tokens=12)
     return build_report(runs, configs, {"target": target, "draft": draft}), runs
 
 
 def test_report_schema_and_identity(pair_dirs, tmp_path):
     report, runs = _bench(pair_dirs)
-    assert len(runs) == 4 * 4
+    assert len(runs) == 4 * 6
     names = [c["name"] for c in report["configs"]]
-    assert names == ["plain", "verispec k=2", "verispec k=4", "hf assisted"]
+    assert names == ["plain", "verispec k=2", "verispec k=4", "hf assisted", "ngram k=3", "hf prompt lookup"]
+    assert report["configs"][4]["overall"]["identity"]["mismatches"] == 0  # n-gram drafts are exact too
     for entry in report["configs"][1:3]:
         o = entry["overall"]
         for key in ("tokens_per_second", "speedup_median", "speedup_p25", "speedup_p75", "acceptance_rate",
@@ -128,7 +130,8 @@ def test_cli_bench_end_to_end(pair_dirs, tmp_path, capsys):
     prompts.write_text("hello\nworld\n")
     out_json = tmp_path / "r.json"
     code = main(["bench", "--target", target, "--draft", draft, "--dtype", "fp32", "--prompts", str(prompts),
-                 "--max-new-tokens", "10", "-k", "2,3", "--compare", "hf", "--json-out", str(out_json),
+                 "--max-new-tokens", "10", "-k", "2,3", "--compare", "hf", "--drafters", "model,hybrid",
+                 "--json-out", str(out_json),
                  "--plot-dir", str(tmp_path / "plots")])
     assert code == 0
     out = capsys.readouterr().out
@@ -136,4 +139,6 @@ def test_cli_bench_end_to_end(pair_dirs, tmp_path, capsys):
     assert last == json.loads(out_json.read_text())
     assert "speedup" in out and "bound" in out
     assert len(last["plots"]) == 3
+    assert [c["name"] for c in last["configs"]] == ["plain", "model k=2", "model k=3", "hybrid k=2", "hybrid k=3",
+                                                    "hf assisted"]
     assert main(["bench", "--target", target, "--draft", draft, "-k", "0"]) == 2

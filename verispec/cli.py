@@ -140,11 +140,19 @@ def cmd_bench(args) -> int:
     prompts = select(load_prompts(args.prompts), args.limit, args.per_category)
     if not prompts:
         raise ValueError("no prompts selected")
-    configs = [Config(f"verispec k={k}", "spec", k) for k in ks]
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    for d in drafters:
+        if d not in ("model", "ngram", "hybrid"):
+            raise ValueError(f"unknown drafter '{d}' in --drafters (use model, ngram, hybrid)")
+    configs = [Config(f"{d} k={k}" if len(drafters) > 1 else f"verispec k={k}", "spec", k, d)
+               for d in drafters for k in ks]
     if "hf" in args.compare:
         configs.append(Config("hf assisted", "hf"))
-    target, draft = default_refs(args.target, args.draft, True, args.pull)
-    pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0])
+    if "hf-lookup" in args.compare:
+        configs.append(Config("hf prompt lookup", "hf-lookup"))
+    needs_draft = any(d != "ngram" for d in drafters) or "hf" in args.compare
+    target, draft = default_refs(args.target, args.draft, True, args.pull, "model" if needs_draft else "ngram")
+    pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0], "model" if needs_draft else "ngram")
     console = _stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
@@ -282,8 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, help="at most N prompts")
     b.add_argument("--per-category", type=int, help="at most N prompts per category")
     b.add_argument("--num-draft-tokens", "-k", default="4", help="k values to compare, e.g. 2,4,6 (default 4)")
-    b.add_argument("--compare", action="append", default=[], choices=["hf"],
-                   help="also run an external reference: hf = Hugging Face assisted generation")
+    b.add_argument("--drafters", default="model", help="drafters to compare, e.g. model,ngram,hybrid (default model)")
+    b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup"],
+                   help="also run an external reference: hf = Hugging Face assisted generation, "
+                        "hf-lookup = its prompt lookup decoding")
     b.add_argument("--json-out", help="also write the JSON document to this file")
     b.add_argument("--plot-dir", help="write PNG plots here")
     b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")

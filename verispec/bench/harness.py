@@ -11,19 +11,34 @@ import torch
 
 from verispec.bench.loader import Prompt
 from verispec.pipeline import Pipeline
+from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.sampling import SamplingParams
 from verispec.text import encode_prompt
+
+
+KINDS = ("plain", "spec", "hf", "hf-lookup")
 
 
 @dataclass(frozen=True)
 class Config:
     name: str
-    kind: str  # "plain" (the baseline), "spec" (verispec with the draft model), "hf" (HF assisted generation)
+    kind: str  # plain (the baseline), spec (verispec), hf (HF assisted generation), hf-lookup (HF prompt lookup)
     k: int = 0
+    drafter: str = "model"  # for spec: model, ngram or hybrid
 
     def __post_init__(self) -> None:
-        if self.kind not in ("plain", "spec", "hf"):
+        if self.kind not in KINDS:
             raise ValueError(f"unknown configuration kind {self.kind!r}")
+
+
+def proposers_for(pipe: Pipeline) -> dict:
+    """One proposer per drafter kind, sharing the pipeline's draft model (when it has one)."""
+    base = pipe.generator.proposer
+    model = base.model if isinstance(base, HybridProposer) else base if isinstance(base, DraftModelProposer) else None
+    found = {"ngram": NgramProposer()}
+    if model is not None:
+        found.update(model=model, hybrid=HybridProposer(NgramProposer(), model))
+    return found
 
 
 @dataclass
@@ -72,13 +87,17 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
     )
 
 
-def _run_hf_assisted(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int) -> dict:
-    """Hugging Face's own assisted generation on the same two models (library defaults for the draft)."""
+def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, draft_model) -> dict:
+    """Hugging Face's own assisted generation on the same models (library defaults for the draft), or its
+    prompt lookup decoding when `draft_model` is None."""
     target = pipe.generator.target.model
-    draft = pipe.generator.proposer.model.model
     input_ids = torch.tensor([ids], device=pipe.device)
-    kwargs: dict = dict(max_new_tokens=max_new, assistant_model=draft, attention_mask=torch.ones_like(input_ids),
+    kwargs: dict = dict(max_new_tokens=max_new, attention_mask=torch.ones_like(input_ids),
                         eos_token_id=sorted(pipe.generator.eos_token_ids) or None)
+    if draft_model is not None:
+        kwargs["assistant_model"] = draft_model
+    else:
+        kwargs["prompt_lookup_num_tokens"] = 10
     if params.greedy:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
@@ -106,11 +125,23 @@ def run_benchmark(
     """Returns one Run per (prompt, configuration), the baseline's included (config 'plain')."""
     plain = Config("plain", "plain")
     order = [plain] + [c for c in configs if c.kind != "plain"]
+    proposers = proposers_for(pipe)
+    for c in order:
+        if (c.kind == "spec" and c.drafter not in proposers) or (c.kind == "hf" and "model" not in proposers):
+            raise ValueError(f"configuration '{c.name}' needs a draft model")
+    original = pipe.generator.proposer
     encoded = [encode_prompt(pipe.tokenizer, p.text, p.chat) for p in prompts]
     if encoded and warmup:
         for config in order:  # warm-up: allocator, kernels, caches; results discarded
             for _ in range(warmup):
-                _one(pipe, config, encoded[0], params, min(8, max_new_tokens))
+                _one(pipe, proposers, config, encoded[0], params, min(8, max_new_tokens))
+    try:
+        return _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run)
+    finally:
+        pipe.generator.proposer = original
+
+
+def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run) -> list[Run]:
     runs: list[Run] = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         # A B A B ...: alternate the order so neither the baseline nor a configuration always runs first
@@ -118,7 +149,7 @@ def run_benchmark(
         by_config = {}
         for config in this_order:
             by_config[config.name] = Run(prompt.id, prompt.category, config.name,
-                                         **_one(pipe, config, ids, params, max_new_tokens))
+                                         **_one(pipe, proposers, config, ids, params, max_new_tokens))
         base = by_config["plain"]
         for config in order:
             run = by_config[config.name]
@@ -133,7 +164,10 @@ def run_benchmark(
     return runs
 
 
-def _one(pipe: Pipeline, config: Config, ids: list[int], params: SamplingParams, max_new: int) -> dict:
+def _one(pipe: Pipeline, proposers: dict, config: Config, ids: list[int], params: SamplingParams, max_new: int) -> dict:
     if config.kind == "hf":
-        return _run_hf_assisted(pipe, ids, params, max_new)
+        return _run_hf(pipe, ids, params, max_new, proposers["model"].model.model)
+    if config.kind == "hf-lookup":
+        return _run_hf(pipe, ids, params, max_new, None)
+    pipe.generator.proposer = proposers.get(config.drafter) if config.kind == "spec" else None
     return _run_engine(pipe, ids, params, max_new, config.k if config.kind == "spec" else 0)

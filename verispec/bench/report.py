@@ -91,7 +91,8 @@ def build_report(runs: list[Run], configs: list[Config], meta: dict) -> dict:
     report["categories"] = categories
     report["configs"] = []
     for config in [Config("plain", "plain")] + [c for c in configs if c.kind != "plain"]:
-        entry = {"name": config.name, "kind": config.kind, "k": config.k, "overall": summarize(runs, config)}
+        entry = {"name": config.name, "kind": config.kind, "k": config.k, "drafter": config.drafter,
+                 "overall": summarize(runs, config)}
         entry["by_category"] = {cat: summarize([r for r in runs if r.category == cat], config) for cat in categories}
         report["configs"].append(entry)
     report["runs"] = [
@@ -172,10 +173,13 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    spec = sorted((e for e in others if e["kind"] == "spec"), key=lambda e: e["k"])
-    ks = [e["k"] for e in spec]
-    ax.plot(ks, [e["overall"].get("speedup_median", 0.0) for e in spec], marker="o", label="measured")
-    ax.plot(ks, [e["overall"].get("bound", 0.0) for e in spec], marker="x", linestyle="--", label="Leviathan bound")
+    for drafter in dict.fromkeys(e["drafter"] for e in others if e["kind"] == "spec"):
+        spec = sorted((e for e in others if e["kind"] == "spec" and e["drafter"] == drafter), key=lambda e: e["k"])
+        ks = [e["k"] for e in spec]
+        ax.plot(ks, [e["overall"].get("speedup_median", 0.0) for e in spec], marker="o", label=f"{drafter} measured")
+        if drafter == "model":
+            ax.plot(ks, [e["overall"].get("bound", 0.0) for e in spec], marker="x", linestyle="--",
+                    label="Leviathan bound")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("k (draft tokens per round)")
     ax.set_ylabel("speedup over plain decoding")
