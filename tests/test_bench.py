@@ -7,12 +7,17 @@ import json
 import math
 
 import pytest
+from tiny import save_tiny_pair
 
 import verispec.bench.harness as harness
-from tiny import save_tiny_pair
 from verispec.bench.harness import Config, first_difference, run_benchmark
 from verispec.bench.loader import load_prompts, select
-from verispec.bench.report import alpha_from_mean_length, build_report, leviathan_bound, write_plots
+from verispec.bench.report import (
+    alpha_from_mean_length,
+    build_report,
+    leviathan_bound,
+    write_plots,
+)
 from verispec.cli import main
 from verispec.pipeline import build_pipeline
 from verispec.sampling import SamplingParams

@@ -6,8 +6,8 @@ import sys
 
 import pexpect
 import pytest
-
 from tiny import save_tiny_pair
+
 from verispec.chat import ChatBot
 from verispec.models import installed
 from verispec.pipeline import build_pipeline

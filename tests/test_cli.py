@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
+
 from verispec.cli import main
 
 

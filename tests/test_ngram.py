@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import verispec.engine as engine_module
 from stats_util import chi2_pvalue
 from test_engine import _exact_marginals
 from tiny import make_engine, perturbed, tiny_qwen2
+
+import verispec.engine as engine_module
 from verispec import SamplingParams
 from verispec.proposers.ngram import find_continuation
 

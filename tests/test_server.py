@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from server_util import ServerProcess
 from tiny import save_tiny_pair
+
 from verispec.cli import main
 
 MODEL = "tiny"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from tiny import byte_tokenizer
+
 from verispec.text import TextAssembler, encode_messages, encode_prompt
 
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from stats_util import chi2_pvalue, total_variation
+
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.verify import acceptance_probability, greedy_verify, recovery_distribution, rejection_sample
+from verispec.verify import (
+    acceptance_probability,
+    greedy_verify,
+    recovery_distribution,
+    rejection_sample,
+)
 
 ALPHA = 1e-4  # per-test significance: the false-failure probability of each chi-square assertion
 

@@ -20,6 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                        help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
                             "matches confidently, else the draft LM (default model)")
         p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="draft tokens per round (default 4)")
+        p.add_argument("--draft-quant", default="none", choices=["none", "int8"],
+                       help="weight-only quantisation of the draft model (never the target; exactness unaffected)")
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
 
 
@@ -54,7 +56,7 @@ def _pipeline(args):
         raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull, args.drafter)
     drafter = args.drafter if not args.no_speculation else "model"
-    return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens, drafter)
+    return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens, drafter, args.draft_quant)
 
 
 def cmd_generate(args) -> int:
@@ -126,7 +128,14 @@ def cmd_bench(args) -> int:
     import platform
 
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from verispec.bench.harness import Config, run_benchmark
     from verispec.bench.loader import load_prompts, select

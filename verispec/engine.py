@@ -21,7 +21,13 @@ from verispec.backends.base import Model, common_prefix_length
 from verispec.metrics import SpecStats
 from verispec.proposers.base import Proposer
 from verispec.proposers.draft_model import context_presence
-from verispec.sampling import SamplingParams, make_generator, presence_rows, probs_from_logits, process_logits
+from verispec.sampling import (
+    SamplingParams,
+    make_generator,
+    presence_rows,
+    probs_from_logits,
+    process_logits,
+)
 from verispec.sequence import TokenSequence
 from verispec.verify import greedy_verify, rejection_sample
 

@@ -19,6 +19,7 @@ from verispec.loading import (
 )
 from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from verispec.quant import quantize_model
 
 DRAFTERS = ("model", "ngram", "hybrid")
 
@@ -62,6 +63,7 @@ def build_pipeline(
     dtype: str = "bf16",
     num_draft_tokens: int = 4,
     drafter: str = "model",
+    draft_quant: str = "none",
 ) -> Pipeline:
     """`drafter`: model (the draft LM), ngram (prompt lookup, no draft model), hybrid (n-gram when it has a
     confident match, the draft LM otherwise)."""
@@ -85,7 +87,8 @@ def build_pipeline(
         proposer = NgramProposer()
     elif draft is not None:
         t0 = time.perf_counter()
-        model_proposer = DraftModelProposer(HFModel(load_model(draft, dev, dt)), backend.vocab_size)
+        draft_model = quantize_model(load_model(draft, dev, dt), draft_quant)
+        model_proposer = DraftModelProposer(HFModel(draft_model), backend.vocab_size)
         times["draft"] = time.perf_counter() - t0
         proposer = HybridProposer(NgramProposer(), model_proposer) if drafter == "hybrid" else model_proposer
     engine = SpeculativeGenerator(backend, proposer, eos_token_ids(target_model, tokenizer), num_draft_tokens)

@@ -15,7 +15,6 @@ from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.sampling import SamplingParams
 from verispec.text import encode_prompt
 
-
 KINDS = ("plain", "spec", "hf", "hf-lookup")
 
 

@@ -8,7 +8,12 @@ import torch
 
 from verispec.backends.base import Model, common_prefix_length
 from verispec.proposers.base import Draft
-from verispec.sampling import SamplingParams, presence_rows, probs_from_logits, process_logits
+from verispec.sampling import (
+    SamplingParams,
+    presence_rows,
+    probs_from_logits,
+    process_logits,
+)
 from verispec.sequence import TokenSequence
 
 

@@ -13,13 +13,24 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import ValidationError
 
 from verispec.engine import GenerationResult
 from verispec.pipeline import Pipeline
 from verispec.sampling import SamplingParams
-from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from verispec.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+)
 from verispec.server.worker import Job, QueueFull, Worker
 from verispec.text import encode_messages
 
