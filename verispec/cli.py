@@ -87,6 +87,7 @@ def cmd_generate(args) -> int:
             "target": pipe.target_ref,
             "draft": pipe.draft_ref,
             "drafter": pipe.drafter,
+            "load_seconds": pipe.load_seconds,
             "stats": result.stats.to_dict(),
         }))
     else:

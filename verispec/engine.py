@@ -164,24 +164,27 @@ class SpeculativeGenerator:
         stats.prefill_seconds = time.perf_counter() - t_start
 
         generated = 0
-        while generated < max_new_tokens:
-            k = min(num_draft_tokens if self.proposer is not None else 0, max_new_tokens - generated - 1)
-            _, committed = self._round(seq, k, params, gen, stats)
+        try:
+            while generated < max_new_tokens:
+                k = min(num_draft_tokens if self.proposer is not None else 0, max_new_tokens - generated - 1)
+                _, committed = self._round(seq, k, params, gen, stats)
+                keep = self._stop_index(seq.generated, generated, stop)
+                if keep is not None:
+                    committed = committed[: max(0, keep - generated)]
+                    seq.truncate(seq.prompt_length + keep)
+                    self.target.rollback(min(self.target.length, len(seq) - 1))
+                    result.finish_reason = "stop"
+                generated = len(seq.generated)
+                result.token_ids = seq.generated
+                stats.new_tokens = generated
+                stats.seconds = time.perf_counter() - t_start
+                if committed:
+                    yield committed
+                if keep is not None:
+                    return
+            result.finish_reason = "length"
+        finally:  # what the target's cache holds, for prefix reuse by the next generation
             self._target_held = seq.ids[: self.target.length]
-            keep = self._stop_index(seq.generated, generated, stop)
-            if keep is not None:
-                committed = committed[: max(0, keep - generated)]
-                seq.truncate(seq.prompt_length + keep)
-                result.finish_reason = "stop"
-            generated = len(seq.generated)
-            result.token_ids = seq.generated
-            stats.new_tokens = generated
-            stats.seconds = time.perf_counter() - t_start
-            if committed:
-                yield committed
-            if keep is not None:
-                return
-        result.finish_reason = "length"
 
     def stream(
         self,

@@ -46,18 +46,21 @@ class DraftModelProposer:
     def __init__(self, model: Model, vocab_size: int) -> None:
         self.model = model
         self.vocab_size = vocab_size  # the target's
-        self.held: list[int] = []  # host copy of the committed tokens in the draft's cache
+        # the committed tokens in the draft's cache: seq.ids[:_held_len] of the last sequence it drafted for
+        self._held_seq: TokenSequence | None = None
+        self._held_len = 0
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
         self._base = 0  # len(seq) when the last draft started
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.params, self.generator = params, generator
-        keep = min(common_prefix_length(self.held, seq.ids), len(seq) - 1, self.model.length)
+        held = self._held_seq.ids[: self._held_len] if self._held_seq is not None else []
+        keep = min(common_prefix_length(held, seq.ids), len(seq) - 1, self.model.length)
         self.model.rollback(keep)
         if keep < len(seq) - 1:  # prefill all but the last token; the first round feeds that one
             self.model.forward(seq.device_ids[keep:-1], last_only=True)
-        self.held = seq.ids[: self.model.length]
+        self._held_seq, self._held_len = seq, self.model.length
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
         params = self.params
@@ -83,10 +86,10 @@ class DraftModelProposer:
 
     def reset(self) -> None:
         self.model.reset()
-        self.held = []
+        self._held_seq, self._held_len = None, 0
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         # The cache holds seq[:_base] + drafts[:drafted - 1]; the first `accepted` drafts were committed.
         keep = min(self.model.length, self._base + accepted)
         self.model.rollback(keep)
-        self.held = seq.ids[:keep]
+        self._held_seq, self._held_len = seq, keep
