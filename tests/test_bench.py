@@ -135,7 +135,7 @@ def test_cli_bench_end_to_end(pair_dirs, tmp_path, capsys):
     prompts.write_text("hello\nworld\n")
     out_json = tmp_path / "r.json"
     code = main(["bench", "--target", target, "--draft", draft, "--dtype", "fp32", "--prompts", str(prompts),
-                 "--max-new-tokens", "10", "-k", "2,3", "--compare", "hf", "--drafters", "model,hybrid",
+                 "--max-new-tokens", "10", "-k", "2,auto", "--compare", "hf", "--drafters", "model,hybrid",
                  "--json-out", str(out_json),
                  "--plot-dir", str(tmp_path / "plots")])
     assert code == 0
@@ -144,6 +144,6 @@ def test_cli_bench_end_to_end(pair_dirs, tmp_path, capsys):
     assert last == json.loads(out_json.read_text())
     assert "speedup" in out and "bound" in out
     assert len(last["plots"]) == 3
-    assert [c["name"] for c in last["configs"]] == ["plain", "model k=2", "model k=3", "hybrid k=2", "hybrid k=3",
+    assert [c["name"] for c in last["configs"]] == ["plain", "model k=2", "model k=auto", "hybrid k=2", "hybrid k=auto",
                                                     "hf assisted"]
     assert main(["bench", "--target", target, "--draft", draft, "-k", "0"]) == 2

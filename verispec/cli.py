@@ -19,7 +19,8 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
         p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
                        help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
                             "matches confidently, else the draft LM (default model)")
-        p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="draft tokens per round (default 4)")
+        p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=4,
+                       help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default 4)")
         p.add_argument("--draft-quant", default="none", choices=["none", "int8"],
                        help="weight-only quantisation of the draft model (never the target; exactness unaffected)")
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
@@ -34,6 +35,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _k_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def _sampling(args):
@@ -52,7 +62,7 @@ def _sampling(args):
 def _pipeline(args):
     from verispec.pipeline import build_pipeline, default_refs
 
-    if args.num_draft_tokens < 0:
+    if args.num_draft_tokens != "auto" and args.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull, args.drafter)
     drafter = args.drafter if not args.no_speculation else "model"
@@ -114,13 +124,13 @@ def cmd_chat(args) -> int:
     return run_repl(bot, interactive, banner)
 
 
-def _k_list(text: str) -> list[int]:
+def _k_list(text: str) -> list[int | str]:
     try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
+        ks = [x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--num-draft-tokens takes integers separated by commas, got {text!r}") from None
-    if not ks or any(k < 1 for k in ks):
-        raise ValueError(f"--num-draft-tokens needs values >= 1, got {text!r}")
+        raise ValueError(f"--num-draft-tokens takes integers or 'auto' separated by commas, got {text!r}") from None
+    if not ks or any(k != "auto" and k < 1 for k in ks):
+        raise ValueError(f"--num-draft-tokens needs values >= 1 or 'auto', got {text!r}")
     return ks
 
 
@@ -299,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", help="Spec-Bench/MT-Bench jsonl, HumanEval jsonl(.gz) or text file (default: built-in set)")
     b.add_argument("--limit", type=int, help="at most N prompts")
     b.add_argument("--per-category", type=int, help="at most N prompts per category")
-    b.add_argument("--num-draft-tokens", "-k", default="4", help="k values to compare, e.g. 2,4,6 (default 4)")
+    b.add_argument("--num-draft-tokens", "-k", default="4", help="k values to compare, e.g. 2,4,6,auto (default 4)")
     b.add_argument("--drafters", default="model", help="drafters to compare, e.g. model,ngram,hybrid (default model)")
     b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup"],
                    help="also run an external reference: hf = Hugging Face assisted generation, "

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.adaptive import AdaptiveK
 from verispec.backends.base import Model, common_prefix_length
 from verispec.metrics import SpecStats
 from verispec.proposers.base import Proposer
@@ -57,20 +58,29 @@ class Generation:
         self._rounds.close()  # type: ignore[attr-defined]
 
 
+def _check_k(k: int | str) -> int | str:
+    """A fixed number of draft tokens per round (>= 0), or "auto" (cost-aware adaptive k)."""
+    if k == "auto":
+        return k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {k!r}")
+    return k
+
+
 class SpeculativeGenerator:
     def __init__(
         self,
         target: Model,
         proposer: Proposer | None = None,
         eos_token_ids: Iterable[int] = (),
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int | str = 4,
+        k_max: int = 8,
     ) -> None:
-        if num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         self.target = target
         self.proposer = proposer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = _check_k(num_draft_tokens)
+        self.k_policy = AdaptiveK(k_max=k_max)  # used when num_draft_tokens is "auto"; learns across generations
         self.device = target.device
         self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
 
@@ -149,25 +159,31 @@ class SpeculativeGenerator:
         prompt_ids: list[int],
         params: SamplingParams,
         max_new_tokens: int,
-        num_draft_tokens: int,
+        num_draft_tokens: int | str,
         stop: StopFn | None,
         result: GenerationResult,
     ) -> Iterator[list[int]]:
         stats = result.stats
         t_start = time.perf_counter()
         max_new_tokens = min(max_new_tokens, self.target.max_length - len(prompt_ids))
-        seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + num_draft_tokens + 1, self.device)
+        seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
         gen = make_generator(params.seed, self.device)
         self._prefill(seq)
-        if self.proposer is not None and num_draft_tokens > 0:
+        if self.proposer is not None and (num_draft_tokens == "auto" or num_draft_tokens > 0):
             self.proposer.start(seq, params, gen)
         stats.prefill_seconds = time.perf_counter() - t_start
 
         generated = 0
+        auto = num_draft_tokens == "auto"
         try:
             while generated < max_new_tokens:
-                k = min(num_draft_tokens if self.proposer is not None else 0, max_new_tokens - generated - 1)
-                _, committed = self._round(seq, k, params, gen, stats)
+                limit = max_new_tokens - generated - 1 if self.proposer is not None else 0
+                k = self.k_policy.choose(limit) if auto else min(num_draft_tokens, limit)
+                before = (stats.draft_seconds, stats.target_seconds, stats.drafted)
+                accepted, committed = self._round(seq, k, params, gen, stats)
+                if auto:
+                    self.k_policy.update(stats.drafted - before[2], accepted, stats.draft_seconds - before[0],
+                                         stats.target_seconds - before[1])
                 keep = self._stop_index(seq.generated, generated, stop)
                 if keep is not None:
                     committed = committed[: max(0, keep - generated)]
@@ -191,7 +207,7 @@ class SpeculativeGenerator:
         prompt_ids: list[int],
         params: SamplingParams = SamplingParams(),
         max_new_tokens: int = 128,
-        num_draft_tokens: int | None = None,
+        num_draft_tokens: int | str | None = None,
         stop: StopFn | None = None,
     ) -> Generation:
         if not prompt_ids:
@@ -202,9 +218,7 @@ class SpeculativeGenerator:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.target.vocab_size:
             raise ValueError(f"a prompt token id is out of range for the vocabulary of {self.target.vocab_size}")
-        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        if k < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {k}")
+        k = self.num_draft_tokens if num_draft_tokens is None else _check_k(num_draft_tokens)
         result = GenerationResult(token_ids=[], finish_reason="length")
         result.stats.prompt_tokens = len(prompt_ids)
         return Generation(self._guarded(self._rounds(list(prompt_ids), params, max_new_tokens, k, stop, result)), result)

@@ -61,7 +61,7 @@ def build_pipeline(
     draft: str | None,
     device: str = "auto",
     dtype: str = "bf16",
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | str = 4,
     drafter: str = "model",
     draft_quant: str = "none",
 ) -> Pipeline:

@@ -22,7 +22,7 @@ KINDS = ("plain", "spec", "hf", "hf-lookup")
 class Config:
     name: str
     kind: str  # plain (the baseline), spec (verispec), hf (HF assisted generation), hf-lookup (HF prompt lookup)
-    k: int = 0
+    k: int | str = 0  # or "auto"
     drafter: str = "model"  # for spec: model, ngram or hybrid
 
     def __post_init__(self) -> None:
@@ -74,7 +74,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int) -> dict:
+def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int | str) -> dict:
     pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
     result = pipe.generator.generate(ids, params, max_new_tokens=max_new, num_draft_tokens=k)
     s = result.stats

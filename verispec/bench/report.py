@@ -78,10 +78,11 @@ def summarize(runs: list[Run], config: Config) -> dict:
         d_fwd, t_fwd = sum(r.draft_forwards for r in mine), sum(r.target_forwards for r in mine)
         d_sec, t_sec = sum(r.draft_seconds for r in mine), sum(r.target_seconds for r in mine)
         c = (d_sec / d_fwd) / (t_sec / t_fwd) if d_fwd and t_fwd and t_sec else 0.0
-        alpha = alpha_from_mean_length(out["mean_accepted_length"], config.k)
-        bound = leviathan_bound(alpha, config.k, c)
-        out.update(cost_ratio_c=c, alpha=alpha, bound=bound,
-                   efficiency=(out.get("speedup_median", 0.0) / bound) if bound else 0.0)
+        out["cost_ratio_c"] = c
+        if isinstance(config.k, int):  # the bound needs a fixed k
+            alpha = alpha_from_mean_length(out["mean_accepted_length"], config.k)
+            bound = leviathan_bound(alpha, config.k, c)
+            out.update(alpha=alpha, bound=bound, efficiency=(out.get("speedup_median", 0.0) / bound) if bound else 0.0)
     return out
 
 
@@ -174,7 +175,8 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for drafter in dict.fromkeys(e["drafter"] for e in others if e["kind"] == "spec"):
-        spec = sorted((e for e in others if e["kind"] == "spec" and e["drafter"] == drafter), key=lambda e: e["k"])
+        spec = sorted((e for e in others if e["kind"] == "spec" and e["drafter"] == drafter and isinstance(e["k"], int)),
+                      key=lambda e: e["k"])
         ks = [e["k"] for e in spec]
         ax.plot(ks, [e["overall"].get("speedup_median", 0.0) for e in spec], marker="o", label=f"{drafter} measured")
         if drafter == "model":

@@ -1,0 +1,74 @@
+"""Cost-aware adaptive k: the policy's arithmetic, limits, switching off for a useless draft, exactness."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny import make_engine, perturbed, tiny_qwen2
+from verispec.adaptive import AdaptiveK
+
+
+def test_expected_tokens_and_choice():
+    policy = AdaptiveK(k_max=4, acceptance=[0.9, 0.8, 0.5, 0.1])
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(2) == pytest.approx(1 + 0.9 + 0.72)
+    policy.t_draft, policy.t_verify = 0.0, {0: 1.0}  # free drafts: draft as many as allowed
+    assert policy.choose(limit=10) == 4 and policy.choose(limit=2) == 2 and policy.choose(limit=0) == 0
+    policy.t_draft = 10.0  # drafts cost far more than they save: plain decoding
+    assert policy.choose(limit=10) == 0
+
+
+def test_probes_while_off_and_learns_back():
+    policy = AdaptiveK(k_max=4, probe_every=5, acceptance=[0.0] * 4)
+    policy.t_draft, policy.t_verify = 0.3, {0: 1.0}
+    picks = [policy.choose(limit=10) for _ in range(10)]
+    assert picks.count(1) == 2 and set(picks) == {0, 1}
+    for _ in range(30):  # the draft turns out to be good after all
+        policy.update(4, 4, 4 * 0.05, 1.0)
+    assert policy.choose(limit=10) == 4
+
+
+def test_update_only_reached_positions():
+    policy = AdaptiveK(k_max=4, decay=0.5, prior_acceptance=0.5)
+    policy.update(4, 1, 0.4, 1.0)  # position 0 accepted, position 1 rejected, 2-3 never reached
+    assert policy.acceptance == [0.75, 0.25, 0.5, 0.5]
+    assert policy.t_draft == pytest.approx(0.1) and policy.t_verify == {4: 1.0}
+    with pytest.raises(ValueError):
+        AdaptiveK(k_max=0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen2(1)
+
+
+def test_useless_draft_switches_speculation_off(target):
+    """A draft with unrelated random weights: adaptive k falls to 0 (plain decoding) for most rounds,
+    within limits, and the output stays identical to plain decoding."""
+    useless = tiny_qwen2(99)
+    eng = make_engine(target, useless, k="auto")
+    chosen = []
+    real_choose = eng.k_policy.choose
+    eng.k_policy.choose = lambda limit: chosen.append((real_choose(limit), limit)) or chosen[-1][0]
+    out = eng.generate([1, 2, 3], max_new_tokens=120)
+    assert out.token_ids == make_engine(target).generate([1, 2, 3], max_new_tokens=120).token_ids
+    assert all(0 <= k <= min(limit, 8) for k, limit in chosen)
+    tail = [k for k, _ in chosen[len(chosen) // 2 :]]
+    assert tail.count(0) >= 0.8 * len(tail)
+
+
+def test_free_accurate_drafts_use_large_k(target):
+    """n-gram drafts on a repetitive prompt cost ~nothing and are mostly accepted: k goes up to k_max."""
+    prompt = [5, 6, 7, 8, 9, 10] * 8
+    plain = make_engine(target).generate(prompt, max_new_tokens=60).token_ids
+    eng = make_engine(target, k="auto", drafter="ngram")
+    out = eng.generate(prompt, max_new_tokens=60)
+    assert out.token_ids == plain
+    assert eng.k_policy.choose(limit=100) >= 4 or out.stats.acceptance_rate < 0.5
+
+
+@pytest.mark.parametrize("k", ["auto"])
+def test_auto_with_draft_model_is_exact(target, k):
+    draft = perturbed(target, seed=2, noise=0.05)
+    plain = make_engine(target).generate([4, 2], max_new_tokens=50).token_ids
+    assert make_engine(target, draft, k=k).generate([4, 2], max_new_tokens=50).token_ids == plain
