@@ -184,14 +184,16 @@ class SpeculativeGenerator:
                 if auto:
                     self.k_policy.update(stats.drafted - before[2], accepted, stats.draft_seconds - before[0],
                                          stats.target_seconds - before[1])
-                keep = self._stop_index(seq.generated, generated, stop)
+                generated_ids = seq.generated
+                keep = self._stop_index(generated_ids, generated, stop)
                 if keep is not None:
                     committed = committed[: max(0, keep - generated)]
                     seq.truncate(seq.prompt_length + keep)
                     self.target.rollback(min(self.target.length, len(seq) - 1))
                     result.finish_reason = "stop"
-                generated = len(seq.generated)
-                result.token_ids = seq.generated
+                    generated_ids = generated_ids[:keep]
+                generated = len(generated_ids)
+                result.token_ids = generated_ids
                 stats.new_tokens = generated
                 stats.seconds = time.perf_counter() - t_start
                 if committed:
