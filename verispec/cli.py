@@ -172,7 +172,8 @@ def cmd_bench(args) -> int:
         configs.append(Config("hf prompt lookup", "hf-lookup"))
     needs_draft = any(d != "ngram" for d in drafters) or "hf" in args.compare
     target, draft = default_refs(args.target, args.draft, True, args.pull, "model" if needs_draft else "ngram")
-    pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0], "model" if needs_draft else "ngram")
+    pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0], "model" if needs_draft else "ngram",
+                          args.draft_quant)
     console = _stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
@@ -191,6 +192,7 @@ def cmd_bench(args) -> int:
         "target": target, "draft": draft, "device": str(pipe.device), "dtype": args.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
+        "draft_quant": args.draft_quant,
     }
     report = build_report(runs, configs, meta)
     from rich.console import Console
@@ -317,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json-out", help="also write the JSON document to this file")
     b.add_argument("--plot-dir", help="write PNG plots here")
     b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")
+    b.add_argument("--draft-quant", default="none", choices=["none", "int8"],
+                   help="weight-only quantisation of the draft model (HF assisted generation then uses it too)")
     _add_model_args(b, speculation_flags=False)
     _add_sampling_args(b)
     b.set_defaults(func=cmd_bench, max_new_tokens=128)

@@ -104,13 +104,14 @@ def build_report(runs: list[Run], configs: list[Config], meta: dict) -> dict:
 
 
 def render_table(report: dict):
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"verispec bench: {report.get('target')} <- {report.get('draft')}  "
                         f"({report.get('device')}, {report.get('dtype')}, {report.get('sampling')})")
     for col in ("config", "category", "prompts", "tok/s", "speedup (median [p25-p75])", "accept", "mean len",
                 "c", "alpha", "bound", "eff.", "identical"):
-        table.add_column(col, justify="left" if col in ("config", "category") else "right")
+        table.add_column(escape(col), justify="left" if col in ("config", "category") else "right")
     for entry in report["configs"]:
         rows = [("all", entry["overall"])] + list(entry["by_category"].items())
         for cat, s in rows:
@@ -118,7 +119,8 @@ def render_table(report: dict):
                      if "speedup_median" in s else "1.00x (baseline)" if entry["kind"] == "plain" else "-")
             ident = s.get("identity")
             table.add_row(
-                entry["name"] if cat == "all" else "", cat, str(s["prompts"]), f"{s['tokens_per_second']:.2f}", speed,
+                escape(entry["name"]) if cat == "all" else "", escape(cat), str(s["prompts"]),
+                f"{s['tokens_per_second']:.2f}", escape(speed),
                 f"{s['acceptance_rate']:.1%}" if "acceptance_rate" in s else "-",
                 f"{s['mean_accepted_length']:.2f}" if "mean_accepted_length" in s else "-",
                 f"{s['cost_ratio_c']:.3f}" if "cost_ratio_c" in s else "-",
