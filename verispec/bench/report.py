@@ -145,6 +145,15 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[Path]:
     cats = report["categories"]
     paths = []
 
+    def save(fig, ax, title: str, ylabel: str, name: str) -> None:
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(plot_dir / name)
+        fig.savefig(paths[-1])
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * max(1, len(others))), 4))
     width = 0.8 / max(1, len(others))
     for j, e in enumerate(others):
@@ -152,13 +161,7 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[Path]:
         ax.bar([i + j * width for i in range(len(cats))], ys, width, label=e["name"])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(others) - 1) / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
-    ax.set_ylabel("speedup over plain decoding (median)")
-    ax.set_title("Speedup by category")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(plot_dir / "speedup_by_category.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    save(fig, ax, "Speedup by category", "speedup over plain decoding (median)", "speedup_by_category.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for e in others:
@@ -166,14 +169,8 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[Path]:
         if per_pos:
             ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=e["name"])
     ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accepted | reached)")
     ax.set_ylim(0, 1.02)
-    ax.set_title("Acceptance by draft position")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(plot_dir / "acceptance_by_position.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    save(fig, ax, "Acceptance by draft position", "P(accepted | reached)", "acceptance_by_position.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for drafter in dict.fromkeys(e["drafter"] for e in others if e["kind"] == "spec"):
@@ -186,11 +183,5 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[Path]:
                     label="Leviathan bound")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("k (draft tokens per round)")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.set_title("Speedup vs k")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(plot_dir / "speedup_vs_k.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    save(fig, ax, "Speedup vs k", "speedup over plain decoding", "speedup_vs_k.png")
     return paths
