@@ -47,8 +47,11 @@ def _k_arg(text: str) -> int | str:
 
 
 def _sampling(args):
+    """SamplingParams from the command line (also checks --max-new-tokens, which every command takes)."""
     from verispec.sampling import SamplingParams
 
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -73,8 +76,6 @@ def cmd_generate(args) -> int:
     from verispec.text import TextAssembler, encode_prompt
 
     params = _sampling(args)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     pipe = _pipeline(args)
     prompt_ids = encode_prompt(pipe.tokenizer, args.prompt, args.chat)
     text = TextAssembler(pipe.tokenizer, args.stop)
@@ -111,8 +112,6 @@ def cmd_chat(args) -> int:
     from verispec.repl import run_repl
 
     params = _sampling(args)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     pipe = _pipeline(args)
     bot = ChatBot(pipe, system_prompt=args.system, params=params, max_new_tokens=args.max_new_tokens,
                   stop=tuple(args.stop), measure_plain=args.measure_plain)
@@ -155,8 +154,6 @@ def cmd_bench(args) -> int:
 
     params = _sampling(args)
     ks = _k_list(args.num_draft_tokens)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = select(load_prompts(args.prompts), args.limit, args.per_category)
     if not prompts:
         raise ValueError("no prompts selected")

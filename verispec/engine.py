@@ -21,7 +21,6 @@ from verispec.adaptive import AdaptiveK
 from verispec.backends.base import Model, common_prefix_length
 from verispec.metrics import SpecStats
 from verispec.proposers.base import Proposer
-from verispec.proposers.draft_model import context_presence
 from verispec.sampling import (
     SamplingParams,
     make_generator,
@@ -100,7 +99,7 @@ class SpeculativeGenerator:
         """Processed target rows [k+1, V]: argmax ids (greedy) or probs p."""
         presence = None
         if params.penalised:
-            presence = presence_rows(context_presence(seq, logits.shape[-1]), draft_tokens)
+            presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
         if params.greedy:
             return process_logits(logits, params, presence).argmax(dim=-1)  # [k+1]
         return probs_from_logits(logits, params, presence)  # [k+1, V]

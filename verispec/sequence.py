@@ -14,6 +14,8 @@ class TokenSequence:
         self.prompt_length = len(prompt)
         self.buffer = torch.empty(max(capacity, len(prompt)), dtype=torch.long, device=device)
         self.buffer[: len(prompt)] = torch.tensor(prompt, dtype=torch.long).to(device)
+        self._presence: torch.Tensor | None = None  # [V] bool over ids[:_presence_len]
+        self._presence_len = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -34,3 +36,16 @@ class TokenSequence:
 
     def truncate(self, length: int) -> None:
         del self.ids[length:]
+        self._presence = None
+
+    def presence(self, vocab_size: int) -> torch.Tensor:
+        """[V] bool: which tokens occur in the sequence (for the repetition penalty). Kept up to date
+        incrementally, so the draft and the verifier share one O(new tokens) update per round.
+        Callers must not modify it in place."""
+        if self._presence is None or self._presence.numel() != vocab_size:
+            self._presence = torch.zeros(vocab_size, dtype=torch.bool, device=self.buffer.device)
+            self._presence_len = 0
+        if self._presence_len < len(self.ids):
+            self._presence.index_fill_(0, self.buffer[self._presence_len : len(self.ids)], True)
+            self._presence_len = len(self.ids)
+        return self._presence

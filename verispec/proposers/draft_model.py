@@ -17,13 +17,6 @@ from verispec.sampling import (
 from verispec.sequence import TokenSequence
 
 
-def context_presence(seq: TokenSequence, vocab_size: int) -> torch.Tensor:
-    """[V] bool: which tokens occur in the committed sequence (for the repetition penalty)."""
-    ids = seq.device_ids
-    presence = torch.zeros(vocab_size, dtype=torch.bool, device=ids.device)
-    return presence.index_fill_(0, ids, True)
-
-
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Draft logits [n, Vd] -> [n, vocab_size]: extra entries cut, missing ones -inf (q = 0 there)."""
     width = logits.shape[-1]
@@ -66,7 +59,7 @@ class DraftModelProposer:
         params = self.params
         feed = seq.device_ids[self.model.length :]  # [m >= 1] committed tokens not yet seen
         self._base = len(seq)
-        presence = context_presence(seq, self.vocab_size) if params.penalised else None
+        presence = seq.presence(self.vocab_size) if params.penalised else None
         tokens, probs = [], []
         for _ in range(k):
             logits = align_vocab(self.model.forward(feed, last_only=True)[-1:], self.vocab_size)  # [1, V]
