@@ -15,6 +15,11 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
     p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
+    p.add_argument("--backend", default="hf", choices=["hf", "llamacpp"],
+                   help="target backend: hf (transformers) or llamacpp (the GGUF file on llama.cpp; needs the "
+                        "[llamacpp] extra) (default hf)")
+    p.add_argument("--draft-backend", choices=["hf", "llamacpp"],
+                   help="draft backend (default: the target's); backends can be mixed")
     if speculation_flags:
         p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
                        help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
@@ -69,7 +74,8 @@ def _pipeline(args):
         raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
     target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull, args.drafter)
     drafter = args.drafter if not args.no_speculation else "model"
-    return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens, drafter, args.draft_quant)
+    return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens, drafter, args.draft_quant,
+                          args.backend, args.draft_backend)
 
 
 def cmd_generate(args) -> int:
@@ -98,6 +104,8 @@ def cmd_generate(args) -> int:
             "target": pipe.target_ref,
             "draft": pipe.draft_ref,
             "drafter": pipe.drafter,
+            "backend": pipe.backend,
+            "draft_backend": pipe.draft_backend,
             "load_seconds": pipe.load_seconds,
             "stats": result.stats.to_dict(),
         }))
@@ -154,7 +162,14 @@ def cmd_bench(args) -> int:
 
     params = _sampling(args)
     ks = _k_list(args.num_draft_tokens)
-    prompts = select(load_prompts(args.prompts), args.limit, args.per_category)
+    prompts = load_prompts(args.prompts)
+    if args.categories:
+        wanted = {c.strip() for c in args.categories.split(",") if c.strip()}
+        unknown = wanted - {p.category for p in prompts}
+        if unknown:
+            raise ValueError(f"no prompts in categories {sorted(unknown)} (have: {sorted({p.category for p in prompts})})")
+        prompts = [p for p in prompts if p.category in wanted]
+    prompts = select(prompts, args.limit, args.per_category)
     if not prompts:
         raise ValueError("no prompts selected")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
@@ -167,10 +182,14 @@ def cmd_bench(args) -> int:
         configs.append(Config("hf assisted", "hf"))
     if "hf-lookup" in args.compare:
         configs.append(Config("hf prompt lookup", "hf-lookup"))
+    if "llama" in args.compare:
+        configs.append(Config("llama.cpp plain", "llama"))
+    if "llama-lookup" in args.compare:
+        configs.append(Config("llama.cpp prompt lookup", "llama-lookup"))
     needs_draft = any(d != "ngram" for d in drafters) or "hf" in args.compare
     target, draft = default_refs(args.target, args.draft, True, args.pull, "model" if needs_draft else "ngram")
     pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0], "model" if needs_draft else "ngram",
-                          args.draft_quant)
+                          args.draft_quant, args.backend, args.draft_backend)
     console = _stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
@@ -308,11 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", help="Spec-Bench/MT-Bench jsonl, HumanEval jsonl(.gz) or text file (default: built-in set)")
     b.add_argument("--limit", type=int, help="at most N prompts")
     b.add_argument("--per-category", type=int, help="at most N prompts per category")
+    b.add_argument("--categories", help="only these categories, e.g. code-editing,summarization")
     b.add_argument("--num-draft-tokens", "-k", default="4", help="k values to compare, e.g. 2,4,6,auto (default 4)")
     b.add_argument("--drafters", default="model", help="drafters to compare, e.g. model,ngram,hybrid (default model)")
-    b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup"],
+    b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup", "llama", "llama-lookup"],
                    help="also run an external reference: hf = Hugging Face assisted generation, "
-                        "hf-lookup = its prompt lookup decoding")
+                        "hf-lookup = its prompt lookup decoding, llama = llama-cpp-python's own decoding of the "
+                        "target's GGUF, llama-lookup = its prompt lookup decoding (repeatable)")
     b.add_argument("--json-out", help="also write the JSON document to this file")
     b.add_argument("--plot-dir", help="write PNG plots here")
     b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")

@@ -108,13 +108,45 @@ def load_model(ref: str, device: torch.device, dtype: torch.dtype):
 
 def eos_token_ids(model, tokenizer) -> list[int]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return sorted(ids)
+
+
+def resolve_gguf(ref: str) -> str:
+    """The GGUF file behind a reference, for the llama.cpp backend: a known name (its cached model.gguf), a
+    .gguf file, or a directory holding exactly one."""
+    if ref in KNOWN_MODELS:
+        path = installed(ref)
+        if path is None:
+            raise ModelError(f"model '{ref}' is not installed; run `verispec models pull {ref}`")
+        return str(path / "model.gguf")
+    p = Path(ref).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p)
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(ggufs[0])
+    raise ModelError(f"the llama.cpp backend needs a GGUF model: '{ref}' is not a known name, a .gguf file or a "
+                     f"directory with one .gguf file")
+
+
+def configured_eos_ids(ref: str) -> list[int]:
+    """EOS ids from the generation_config.json beside a model (e.g. Qwen's <|im_end|> and <|endoftext|>)."""
+    from transformers import GenerationConfig
+
+    src = resolve(ref)
+    if not (Path(src.path) / "generation_config.json").is_file():
+        return []
+    value = GenerationConfig.from_pretrained(src.path).eos_token_id
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
 def check_same_vocabulary(target_tok, draft_tok, target_ref: str, draft_ref: str) -> None:
@@ -125,4 +157,7 @@ def check_same_vocabulary(target_tok, draft_tok, target_ref: str, draft_ref: str
         )
 
 
-__all__ = ["ModelSource", "check_same_vocabulary", "eos_token_ids", "load_model", "load_tokenizer", "resolve"]
+__all__ = [
+    "ModelSource", "check_same_vocabulary", "configured_eos_ids", "eos_token_ids", "load_model", "load_tokenizer",
+    "resolve", "resolve_gguf",
+]

@@ -11,17 +11,21 @@ from verispec.backends import HFModel
 from verispec.engine import SpeculativeGenerator
 from verispec.loading import (
     check_same_vocabulary,
+    configured_eos_ids,
     eos_token_ids,
     load_model,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
+    resolve_gguf,
 )
 from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.quant import quantize_model
 
 DRAFTERS = ("model", "ngram", "hybrid")
+BACKENDS = ("hf", "llamacpp")
+LLAMA_CONTEXT = 8192  # llama.cpp context (KV cells) per model
 
 
 @dataclass
@@ -32,7 +36,10 @@ class Pipeline:
     draft_ref: str | None
     device: torch.device
     drafter: str
+    backend: str = "hf"
+    draft_backend: str | None = None
     load_seconds: dict[str, float] = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)  # objects a front end keeps with the models (bench references)
 
 
 def default_refs(target: str | None, draft: str | None, speculate: bool, pull_missing: bool = False,
@@ -56,6 +63,26 @@ def default_refs(target: str | None, draft: str | None, speculate: bool, pull_mi
     return target, draft if speculate else None
 
 
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ModelError(f"unknown backend '{name}' (use {', '.join(BACKENDS)})")
+    return name
+
+
+def load_backend(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str = "none"):
+    """(Model, EOS ids it knows of) for `ref` on `backend`."""
+    if backend == "llamacpp":
+        from verispec.backends.llamacpp import LlamaCppModel
+
+        if quant != "none":
+            raise ModelError(f"--draft-quant {quant} applies to the transformers backend; a GGUF model is already "
+                             f"quantized")
+        model = LlamaCppModel(resolve_gguf(ref), device, n_ctx=LLAMA_CONTEXT)
+        return model, [model.llm.token_eos(), *configured_eos_ids(ref)]
+    hf_model = quantize_model(load_model(ref, device, dtype), quant)
+    return HFModel(hf_model), eos_token_ids(hf_model, None)
+
+
 def build_pipeline(
     target: str,
     draft: str | None,
@@ -64,11 +91,20 @@ def build_pipeline(
     num_draft_tokens: int | str = 4,
     drafter: str = "model",
     draft_quant: str = "none",
+    backend: str = "hf",
+    draft_backend: str | None = None,
 ) -> Pipeline:
     """`drafter`: model (the draft LM), ngram (prompt lookup, no draft model), hybrid (n-gram when it has a
-    confident match, the draft LM otherwise)."""
+    confident match, the draft LM otherwise). `backend` / `draft_backend` (default: the target's): hf
+    (transformers) or llamacpp (GGUF on llama.cpp); they can be mixed."""
     if drafter not in DRAFTERS:
         raise ModelError(f"unknown drafter '{drafter}' (use {', '.join(DRAFTERS)})")
+    backend = _check_backend(backend)
+    draft_backend = _check_backend(draft_backend or backend)
+    if "llamacpp" in (backend, draft_backend if draft is not None else backend):
+        from verispec.backends.llamacpp import import_llama_cpp
+
+        import_llama_cpp()  # say how to install it before loading anything
     if drafter == "ngram":
         draft = None
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -79,17 +115,18 @@ def build_pipeline(
         check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
     times["tokenizers"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    target_model = load_model(target, dev, dt)
+    target_model, eos = load_backend(target, backend, dev, dt)
     times["target"] = time.perf_counter() - t0
-    backend = HFModel(target_model)
     proposer = None
     if drafter == "ngram":
         proposer = NgramProposer()
     elif draft is not None:
         t0 = time.perf_counter()
-        draft_model = quantize_model(load_model(draft, dev, dt), draft_quant)
-        model_proposer = DraftModelProposer(HFModel(draft_model), backend.vocab_size)
+        draft_model, _ = load_backend(draft, draft_backend, dev, dt, draft_quant)
+        model_proposer = DraftModelProposer(draft_model, target_model.vocab_size)
         times["draft"] = time.perf_counter() - t0
         proposer = HybridProposer(NgramProposer(), model_proposer) if drafter == "hybrid" else model_proposer
-    engine = SpeculativeGenerator(backend, proposer, eos_token_ids(target_model, tokenizer), num_draft_tokens)
-    return Pipeline(engine, tokenizer, target, draft, dev, drafter if proposer is not None else "none", times)
+    eos = sorted({*eos, *eos_token_ids(None, tokenizer)})
+    engine = SpeculativeGenerator(target_model, proposer, eos, num_draft_tokens)
+    return Pipeline(engine, tokenizer, target, draft, dev, drafter if proposer is not None else "none", backend,
+                    draft_backend if draft is not None else None, times)

@@ -9,19 +9,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.backends import HFModel
 from verispec.bench.loader import Prompt
 from verispec.pipeline import Pipeline
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.sampling import SamplingParams
 from verispec.text import encode_prompt
 
-KINDS = ("plain", "spec", "hf", "hf-lookup")
+KINDS = ("plain", "spec", "hf", "hf-lookup", "llama", "llama-lookup")
+LOOKUP_CONTEXT = 4096  # llama-cpp-python's prompt lookup keeps n_ctx x V float32 scores: keep n_ctx modest
 
 
 @dataclass(frozen=True)
 class Config:
     name: str
-    kind: str  # plain (the baseline), spec (verispec), hf (HF assisted generation), hf-lookup (HF prompt lookup)
+    # plain (the baseline), spec (verispec), hf (HF assisted generation), hf-lookup (HF prompt lookup),
+    # llama (llama-cpp-python's own decoding of the target's GGUF), llama-lookup (its prompt lookup decoding)
+    kind: str
     k: int | str = 0  # or "auto"
     drafter: str = "model"  # for spec: model, ngram or hybrid
 
@@ -112,6 +116,49 @@ def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new)
 
 
+def _llama_for(pipe: Pipeline, lookup: bool):
+    """llama-cpp-python's own Llama on the target's GGUF: the target's when it runs on llama.cpp (plain
+    decoding), else one opened for the benchmark (kept in pipe.extras)."""
+    from verispec.backends.llamacpp import LlamaCppModel, import_llama_cpp, open_llama
+    from verispec.loading import resolve_gguf
+
+    target = pipe.generator.target
+    if not lookup and isinstance(target, LlamaCppModel):
+        return target.llm
+    key = "llama-lookup" if lookup else "llama"
+    if key not in pipe.extras:
+        path = target.path if isinstance(target, LlamaCppModel) else resolve_gguf(pipe.target_ref)
+        if lookup:  # its CPU advice: 2 predicted tokens ("10 ... good for gpu, 2 performs better for cpu-only")
+            draft = import_llama_cpp().llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=2)
+            pipe.extras[key] = open_llama(path, n_ctx=LOOKUP_CONTEXT, logits_all=True, draft_model=draft)
+        else:
+            pipe.extras[key] = open_llama(path, n_ctx=LOOKUP_CONTEXT)
+    return pipe.extras[key]
+
+
+def _run_llama(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, lookup: bool) -> dict:
+    llm = _llama_for(pipe, lookup)
+    if len(ids) + max_new > llm.n_ctx():
+        raise ValueError(f"a prompt of {len(ids)} tokens + {max_new} new does not fit llama.cpp's n_ctx {llm.n_ctx()}")
+    if params.greedy:
+        sampling = dict(temp=0.0, top_k=1, top_p=1.0, min_p=0.0)
+    else:
+        sampling = dict(temp=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+    eos = pipe.generator.eos_token_ids
+    pipe.generator.reset()  # the target's llama.cpp context may be this one
+    llm.reset()
+    new: list[int] = []
+    t0 = time.perf_counter()
+    for token in llm.generate(ids, reset=True, repeat_penalty=params.repetition_penalty, **sampling):
+        new.append(int(token))
+        if token in eos or len(new) >= max_new:
+            break
+    seconds = time.perf_counter() - t0
+    llm.reset()
+    pipe.generator.reset()
+    return dict(new_tokens=len(new), seconds=seconds, token_ids=new)
+
+
 def run_benchmark(
     pipe: Pipeline,
     prompts: list[Prompt],
@@ -128,6 +175,10 @@ def run_benchmark(
     for c in order:
         if (c.kind == "spec" and c.drafter not in proposers) or (c.kind == "hf" and "model" not in proposers):
             raise ValueError(f"configuration '{c.name}' needs a draft model")
+        hf_models = [pipe.generator.target] + ([proposers["model"].model] if c.kind == "hf" else [])
+        if c.kind in ("hf", "hf-lookup") and not all(isinstance(m, HFModel) for m in hf_models):
+            raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs transformers models "
+                             f"(--backend hf{' --draft-backend hf' if c.kind == 'hf' else ''})")
     original = pipe.generator.proposer
     encoded = [encode_prompt(pipe.tokenizer, p.text, p.chat) for p in prompts]
     if encoded and warmup:
@@ -168,5 +219,7 @@ def _one(pipe: Pipeline, proposers: dict, config: Config, ids: list[int], params
         return _run_hf(pipe, ids, params, max_new, proposers["model"].model.model)
     if config.kind == "hf-lookup":
         return _run_hf(pipe, ids, params, max_new, None)
+    if config.kind in ("llama", "llama-lookup"):
+        return _run_llama(pipe, ids, params, max_new, config.kind == "llama-lookup")
     pipe.generator.proposer = proposers.get(config.drafter) if config.kind == "spec" else None
     return _run_engine(pipe, ids, params, max_new, config.k if config.kind == "spec" else 0)
