@@ -29,7 +29,7 @@ def test_smollm2_chat_answer(capsys):
     _need("smollm2-135m-instruct")
     m = "smollm2-135m-instruct"
     common = ["--target", m, "--draft", m, "--chat", "--prompt", "What is the capital of France?",
-              "--max-new-tokens", "24", "--dtype", "fp32"]
+              "--max-new-tokens", "24", "--dtype", "fp32", "--draft-backend", "hf"]
     spec = _generate(capsys, *common)
     plain = _generate(capsys, *common, "--no-speculation")
     assert "Paris" in spec["text"]

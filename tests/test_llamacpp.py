@@ -291,3 +291,29 @@ def test_cli_llamacpp_bad_inputs(capsys, tmp_path):
     assert main(["generate", "--target", NAME, "--draft", NAME, "--draft-backend", "llamacpp", "--draft-quant", "int8",
                  "--prompt", "hi"]) != 0
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_server_on_llamacpp():
+    """`verispec serve --backend llamacpp`: streamed and whole answers agree, bad input gets a 4xx, the
+    server stays up and exits cleanly."""
+    import httpx
+    from server_util import ServerProcess
+
+    server = ServerProcess(["--target", NAME, "--draft", NAME, "--backend", "llamacpp", "--num-draft-tokens", "auto"])
+    try:
+        body = {"model": NAME, "messages": [{"role": "user", "content": "Count from 1 to 10."}], "max_tokens": 24,
+                "temperature": 0}
+        whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+        text = whole["choices"][0]["message"]["content"]
+        assert text and whole["usage"]["completion_tokens"] > 0
+        streamed = ""
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    streamed += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        assert streamed == text
+        bad = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": -1}, timeout=30)
+        assert bad.status_code == 400 and "error" in bad.json()
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        assert server.stop() == 0

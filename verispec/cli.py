@@ -18,8 +18,9 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--backend", default="hf", choices=["hf", "llamacpp"],
                    help="target backend: hf (transformers) or llamacpp (the GGUF file on llama.cpp; needs the "
                         "[llamacpp] extra) (default hf)")
-    p.add_argument("--draft-backend", choices=["hf", "llamacpp"],
-                   help="draft backend (default: the target's); backends can be mixed")
+    p.add_argument("--draft-backend", default="auto", choices=["auto", "hf", "llamacpp"],
+                   help="draft backend; backends can be mixed. auto (default): llama.cpp for a GGUF draft (the "
+                        "default pair) on the CPU when llama-cpp-python is installed, else the target's")
     if speculation_flags:
         p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
                        help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
@@ -126,8 +127,8 @@ def cmd_chat(args) -> int:
     interactive = sys.stdin.isatty()
     k = pipe.generator.num_draft_tokens
     draft = {"none": "no speculation", "ngram": f"n-gram drafts (k={k})"}.get(
-        pipe.drafter, f"{pipe.drafter} drafter, draft {pipe.draft_ref} (k={k})")
-    banner = f"verispec chat: target {pipe.target_ref}, {draft}, {pipe.device}"
+        pipe.drafter, f"{pipe.drafter} drafter, draft {pipe.draft_ref} on {pipe.draft_backend} (k={k})")
+    banner = f"verispec chat: target {pipe.target_ref} on {pipe.backend}, {draft}, {pipe.device}"
     return run_repl(bot, interactive, banner)
 
 
@@ -208,7 +209,7 @@ def cmd_bench(args) -> int:
         "target": target, "draft": draft, "device": str(pipe.device), "dtype": args.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
-        "draft_quant": args.draft_quant,
+        "draft_quant": args.draft_quant, "backend": pipe.backend, "draft_backend": pipe.draft_backend,
     }
     report = build_report(runs, configs, meta)
     from rich.console import Console

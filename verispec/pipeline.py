@@ -25,6 +25,7 @@ from verispec.quant import quantize_model
 
 DRAFTERS = ("model", "ngram", "hybrid")
 BACKENDS = ("hf", "llamacpp")
+DRAFT_BACKENDS = ("auto", *BACKENDS)
 LLAMA_CONTEXT = 8192  # llama.cpp context (KV cells) per model
 
 
@@ -69,6 +70,31 @@ def _check_backend(name: str) -> str:
     return name
 
 
+def choose_draft_backend(draft_backend: str | None, backend: str, draft: str | None, device: torch.device,
+                         draft_quant: str) -> str:
+    """None: the target's backend. auto: llama.cpp when the draft is a GGUF model (e.g. the default pair),
+    llama-cpp-python is installed, the models run on the CPU and no transformers quantisation was asked
+    for (measured here: the 0.5B draft costs ~0.16 of the bf16 1.5B target on llama.cpp, ~0.5 on
+    transformers bf16, ~0.27 in int8); else the target's backend."""
+    if draft_backend is None:
+        return backend
+    if draft_backend not in DRAFT_BACKENDS:
+        raise ModelError(f"unknown draft backend '{draft_backend}' (use {', '.join(DRAFT_BACKENDS)})")
+    if draft_backend != "auto":
+        return draft_backend
+    if backend == "llamacpp":
+        return backend
+    from verispec.backends.llamacpp import available
+
+    if draft is None or device.type != "cpu" or draft_quant != "none" or not available():
+        return backend
+    try:
+        resolve_gguf(draft)
+    except ModelError:
+        return backend
+    return "llamacpp"
+
+
 def load_backend(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str = "none"):
     """(Model, EOS ids it knows of) for `ref` on `backend`."""
     if backend == "llamacpp":
@@ -95,19 +121,20 @@ def build_pipeline(
     draft_backend: str | None = None,
 ) -> Pipeline:
     """`drafter`: model (the draft LM), ngram (prompt lookup, no draft model), hybrid (n-gram when it has a
-    confident match, the draft LM otherwise). `backend` / `draft_backend` (default: the target's): hf
-    (transformers) or llamacpp (GGUF on llama.cpp); they can be mixed."""
+    confident match, the draft LM otherwise). `backend` / `draft_backend`: hf (transformers) or llamacpp
+    (GGUF on llama.cpp), mixed as wanted; draft_backend None = the target's, "auto" = see
+    choose_draft_backend."""
     if drafter not in DRAFTERS:
         raise ModelError(f"unknown drafter '{drafter}' (use {', '.join(DRAFTERS)})")
     backend = _check_backend(backend)
-    draft_backend = _check_backend(draft_backend or backend)
+    if drafter == "ngram":
+        draft = None
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    draft_backend = _check_backend(choose_draft_backend(draft_backend, backend, draft, dev, draft_quant))
     if "llamacpp" in (backend, draft_backend if draft is not None else backend):
         from verispec.backends.llamacpp import import_llama_cpp
 
         import_llama_cpp()  # say how to install it before loading anything
-    if drafter == "ngram":
-        draft = None
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(target)

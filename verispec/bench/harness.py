@@ -90,6 +90,19 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
     )
 
 
+def _hf_draft(pipe: Pipeline, draft):
+    """The transformers draft HF assisted generation needs: the pipeline's own, or (when the draft runs on
+    llama.cpp) the same model loaded on transformers for the benchmark, in the target's dtype."""
+    if isinstance(draft, HFModel):
+        return draft.model
+    if "hf-draft" not in pipe.extras:
+        from verispec.loading import load_model
+
+        dtype = next(pipe.generator.target.model.parameters()).dtype
+        pipe.extras["hf-draft"] = load_model(pipe.draft_ref, pipe.device, dtype)
+    return pipe.extras["hf-draft"]
+
+
 def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, draft_model) -> dict:
     """Hugging Face's own assisted generation on the same models (library defaults for the draft), or its
     prompt lookup decoding when `draft_model` is None."""
@@ -175,10 +188,9 @@ def run_benchmark(
     for c in order:
         if (c.kind == "spec" and c.drafter not in proposers) or (c.kind == "hf" and "model" not in proposers):
             raise ValueError(f"configuration '{c.name}' needs a draft model")
-        hf_models = [pipe.generator.target] + ([proposers["model"].model] if c.kind == "hf" else [])
-        if c.kind in ("hf", "hf-lookup") and not all(isinstance(m, HFModel) for m in hf_models):
-            raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs transformers models "
-                             f"(--backend hf{' --draft-backend hf' if c.kind == 'hf' else ''})")
+        if c.kind in ("hf", "hf-lookup") and not isinstance(pipe.generator.target, HFModel):
+            raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs a transformers "
+                             f"target (--backend hf)")
     original = pipe.generator.proposer
     encoded = [encode_prompt(pipe.tokenizer, p.text, p.chat) for p in prompts]
     if encoded and warmup:
@@ -216,7 +228,7 @@ def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_token
 
 def _one(pipe: Pipeline, proposers: dict, config: Config, ids: list[int], params: SamplingParams, max_new: int) -> dict:
     if config.kind == "hf":
-        return _run_hf(pipe, ids, params, max_new, proposers["model"].model.model)
+        return _run_hf(pipe, ids, params, max_new, _hf_draft(pipe, proposers["model"].model))
     if config.kind == "hf-lookup":
         return _run_hf(pipe, ids, params, max_new, None)
     if config.kind in ("llama", "llama-lookup"):

@@ -107,7 +107,8 @@ def render_table(report: dict):
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"verispec bench: {report.get('target')} <- {report.get('draft')}  "
+    backends = f" [{report.get('backend', 'hf')} <- {report.get('draft_backend') or '-'}]"
+    table = Table(title=f"verispec bench: {report.get('target')} <- {report.get('draft')}{backends}  "
                         f"({report.get('device')}, {report.get('dtype')}, {report.get('sampling')})")
     for col in ("config", "category", "prompts", "tok/s", "speedup (median [p25-p75])", "accept", "mean len",
                 "c", "alpha", "bound", "eff.", "identical"):
