@@ -21,11 +21,36 @@ def test_expected_tokens_and_choice():
 def test_probes_while_off_and_learns_back():
     policy = AdaptiveK(k_max=4, probe_every=5, acceptance=[0.0] * 4)
     policy.t_draft, policy.t_verify = 0.3, {0: 1.0}
-    picks = [policy.choose(limit=10) for _ in range(10)]
-    assert picks.count(1) == 2 and set(picks) == {0, 1}
+    picks = [policy.choose(limit=10) for _ in range(35)]
+    assert [i for i, k in enumerate(picks) if k == 1] == [4, 14, 34]  # failed probes back off: 5, 10, 20 rounds
+    assert set(picks) == {0, 1}
     for _ in range(30):  # the draft turns out to be good after all
         policy.update(4, 4, 4 * 0.05, 1.0)
     assert policy.choose(limit=10) == 4
+
+
+def test_plain_cost_measured_and_verify_cost_linear():
+    """llama.cpp-like costs: a verify pass grows linearly with k. The policy measures plain decoding once,
+    interpolates unmeasured k linearly, and turns speculation off when no k pays."""
+    policy = AdaptiveK(k_max=8)
+    policy.update(4, 4, 4 * 0.01, 0.5)
+    assert policy.choose(limit=10) == 0  # k = 0 not measured yet: measure it
+    policy.update(0, 0, 0.0, 0.1)
+    assert policy.verify_cost(2) == pytest.approx(0.3) and policy.verify_cost(8) == pytest.approx(0.9)
+    assert policy.choose(limit=10) == 0
+    policy.t_verify = {0: 0.1, 4: 0.12}  # transformers-like: nearly flat -> draft
+    assert policy.choose(limit=10) >= 2
+    assert policy.verify_cost(6) == pytest.approx(0.13)  # extrapolated from the two largest
+
+
+def test_expensive_catch_up_spaces_probes():
+    """A probe with a draft model costs a catch-up over the skipped tokens: with a 1 s catch-up and 0.1 s
+    plain rounds, probes come at most every 1 / (0.02 * 0.1) = 500 rounds."""
+    policy = AdaptiveK(k_max=4, probe_every=5, acceptance=[0.0] * 4)
+    policy.t_draft, policy.t_verify = 0.3, {0: 0.1, 1: 0.2}
+    policy.update(1, 0, 0.3, 0.2, catchup_seconds=1.0)
+    picks = [policy.choose(limit=10) for _ in range(1000)]
+    assert [i for i, k in enumerate(picks) if k == 1] == [499, 999]
 
 
 def test_update_only_reached_positions():

@@ -98,3 +98,24 @@ def test_target_without_draft_needs_no_speculation(pair_dirs, capsys):
     assert "--draft" in capsys.readouterr().err
     out = _run_json(capsys, "--target", target, "--prompt", "a", "--no-speculation", "--max-new-tokens", "5")
     assert len(out["token_ids"]) <= 5
+
+
+def test_llamacpp_backend_without_the_extra_says_how_to_install(pair_dirs, capsys, monkeypatch):
+    import sys
+
+    from verispec.backends.llamacpp import available, import_llama_cpp
+    from verispec.models import ModelError
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
+    assert not available()
+    with pytest.raises(ModelError, match=r"pip install -e '\.\[llamacpp\]'"):
+        import_llama_cpp()
+    target, draft = pair_dirs
+    assert main(["generate", "--target", str(target), "--backend", "llamacpp", "--no-speculation",
+                 "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "[llamacpp]" in err
+    # the default draft backend (auto) falls back to transformers: the core package works without the extra
+    out = _run_json(capsys, "--target", str(target), "--draft", str(draft), "--prompt", "hi",
+                    "--max-new-tokens", "4")
+    assert out["draft_backend"] == "hf" and len(out["token_ids"]) == 4

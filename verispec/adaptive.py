@@ -4,7 +4,7 @@ second, from the recent acceptance per draft position and the measured draft and
 With a_i = P(draft i accepted | drafts before it accepted), a round of k drafts emits on average
 E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i tokens and costs T(k) = k * t_draft + t_verify(k). k = 0 is plain
 decoding (E = 1, T = t_verify(0)); when nothing beats it, speculation switches itself off, probing now and
-then with k = 1 so that it can switch back on. Only speed depends on these choices, never the output.
+then with k = 1 (less and less often while probes fail) so that it can switch back on. Only speed depends on these choices, never the output.
 
 The verify cost is measured per k. It is nearly flat in k for transformers on this CPU but grows about
 linearly on llama.cpp (an eval of 5 tokens costs ~2-3x one), so unmeasured k are interpolated linearly
@@ -26,7 +26,11 @@ class AdaptiveK:
     acceptance: list[float] = field(default_factory=list)  # a_i, i = 0 .. k_max-1
     t_draft: float | None = None  # seconds per draft forward (None: not measured yet)
     t_verify: dict[int, float] = field(default_factory=dict)  # k -> seconds of a verify pass over k+1 tokens
+    max_probe_every: int = 256
+    probe_overhead: float = 0.02  # probes may cost at most this share of decoding time (their draft catch-up)
+    t_catchup: float = 0.0  # seconds the draft needed last time to catch up on skipped tokens
     _off_rounds: int = 0
+    _interval: int = 0  # rounds to the next probe (probe_every, doubling while probes fail)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -35,6 +39,7 @@ class AdaptiveK:
             raise ValueError(f"decay must be in (0, 1), got {self.decay}")
         if not self.acceptance:
             self.acceptance = [self.prior_acceptance] * self.k_max
+        self._interval = self.probe_every
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
@@ -79,15 +84,26 @@ class AdaptiveK:
         best = max(range(top + 1), key=lambda k: self.expected_tokens(k) / (k * self.t_draft + self.verify_cost(k)))
         if best == 0:
             self._off_rounds += 1
-            if self._off_rounds >= self.probe_every:
+            # a probe makes the draft catch up on everything it skipped: space probes so that this stays
+            # under probe_overhead of the time spent decoding plainly in between
+            affordable = self.t_catchup / (self.probe_overhead * self.verify_cost(0))
+            if self._off_rounds >= max(self._interval, affordable):
+                # a probe costs a draft catch-up over the rounds it skipped: each probe that does not switch
+                # speculation back on doubles the wait before the next one
                 self._off_rounds = 0
+                self._interval = min(2 * self._interval, self.max_probe_every)
                 return 1
         else:
             self._off_rounds = 0
+            self._interval = self.probe_every
         return best
 
-    def update(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        """After a round that drafted k tokens (accepted of them) and took these times."""
+    def update(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+               catchup_seconds: float = 0.0) -> None:
+        """After a round that drafted k tokens (accepted of them) and took these times (catch-up: the
+        draft's prefill of tokens it had not seen, outside draft_seconds)."""
+        if catchup_seconds > 0.0:
+            self.t_catchup = catchup_seconds
         self.t_verify[k] = self._ema(self.t_verify.get(k), verify_seconds)
         if k == 0:
             return

@@ -119,6 +119,7 @@ class SpeculativeGenerator:
         else:
             draft_tokens, draft_probs, proposed = seq.device_ids.new_empty(0), None, 0
         t1 = time.perf_counter()
+        catchup = getattr(self.proposer, "catchup_seconds", 0.0) if k > 0 else 0.0  # the draft's prefill
         logits = self.target.forward(torch.cat([seq.device_ids[-1:], draft_tokens]))  # [k+1, V]
         rows = self._target_rows(logits, draft_tokens, params, seq)
         if params.greedy:
@@ -128,7 +129,8 @@ class SpeculativeGenerator:
             n, nxt = rejection_sample(draft_tokens[None], q, rows[None], gen)
         host = torch.cat([n, nxt, draft_tokens]).tolist()  # the round's one device -> host sync
         t2 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
+        stats.draft_seconds += t1 - t0 - catchup
+        stats.prefill_seconds += catchup
         stats.target_seconds += t2 - t1
         stats.target_forwards += 1
 
@@ -178,11 +180,11 @@ class SpeculativeGenerator:
             while generated < max_new_tokens:
                 limit = max_new_tokens - generated - 1 if self.proposer is not None else 0
                 k = self.k_policy.choose(limit) if auto else min(num_draft_tokens, limit)
-                before = (stats.draft_seconds, stats.target_seconds, stats.drafted)
+                before = (stats.draft_seconds, stats.target_seconds, stats.drafted, stats.prefill_seconds)
                 accepted, committed = self._round(seq, k, params, gen, stats)
                 if auto:
                     self.k_policy.update(stats.drafted - before[2], accepted, stats.draft_seconds - before[0],
-                                         stats.target_seconds - before[1])
+                                         stats.target_seconds - before[1], stats.prefill_seconds - before[3])
                 generated_ids = seq.generated
                 keep = self._stop_index(generated_ids, generated, stop)
                 if keep is not None:

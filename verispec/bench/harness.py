@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.adaptive import AdaptiveK
 from verispec.backends import HFModel
 from verispec.bench.loader import Prompt
 from verispec.pipeline import Pipeline
@@ -191,7 +192,7 @@ def run_benchmark(
         if c.kind in ("hf", "hf-lookup") and not isinstance(pipe.generator.target, HFModel):
             raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs a transformers "
                              f"target (--backend hf)")
-    original = pipe.generator.proposer
+    original = pipe.generator.proposer, pipe.generator.k_policy
     encoded = [encode_prompt(pipe.tokenizer, p.text, p.chat) for p in prompts]
     if encoded and warmup:
         for config in order:  # warm-up: allocator, kernels, caches; results discarded
@@ -200,7 +201,7 @@ def run_benchmark(
     try:
         return _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run)
     finally:
-        pipe.generator.proposer = original
+        pipe.generator.proposer, pipe.generator.k_policy = original
 
 
 def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run) -> list[Run]:
@@ -234,4 +235,7 @@ def _one(pipe: Pipeline, proposers: dict, config: Config, ids: list[int], params
     if config.kind in ("llama", "llama-lookup"):
         return _run_llama(pipe, ids, params, max_new, config.kind == "llama-lookup")
     pipe.generator.proposer = proposers.get(config.drafter) if config.kind == "spec" else None
+    if config.k == "auto":  # each configuration learns its own costs and acceptance across its prompts
+        policies = pipe.extras.setdefault("k-policies", {})
+        pipe.generator.k_policy = policies.setdefault(config.name, AdaptiveK(k_max=pipe.generator.k_policy.k_max))
     return _run_engine(pipe, ids, params, max_new, config.k if config.kind == "spec" else 0)

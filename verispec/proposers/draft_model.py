@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -45,19 +46,27 @@ class DraftModelProposer:
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
         self._base = 0  # len(seq) when the last draft started
+        self.catchup_seconds = 0.0  # of the last propose: prefill/catch-up, not drafting (for the k policy)
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+        """Keep the cached prefix this sequence shares; the rest is prefilled lazily by the first draft,
+        so a generation that never drafts (adaptive k found it does not pay) never prefills the draft."""
         self.params, self.generator = params, generator
         held = self._held_seq.ids[: self._held_len] if self._held_seq is not None else []
         keep = min(common_prefix_length(held, seq.ids), len(seq) - 1, self.model.length)
         self.model.rollback(keep)
-        if keep < len(seq) - 1:  # prefill all but the last token; the first round feeds that one
-            self.model.forward(seq.device_ids[keep:-1], last_only=True)
-        self._held_seq, self._held_len = seq, self.model.length
+        self._held_seq, self._held_len = seq, keep
+        self.catchup_seconds = 0.0
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
         params = self.params
         feed = seq.device_ids[self.model.length :]  # [m >= 1] committed tokens not yet seen
+        self.catchup_seconds = 0.0
+        if feed.numel() > 2:  # a prompt, or rounds decoded without this draft: one batched catch-up pass
+            t0 = time.perf_counter()
+            self.model.forward(feed[:-1], last_only=True)
+            feed = feed[-1:]
+            self.catchup_seconds = time.perf_counter() - t0
         self._base = len(seq)
         presence = seq.presence(self.vocab_size) if params.penalised else None
         tokens, probs = [], []

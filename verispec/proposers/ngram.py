@@ -64,6 +64,10 @@ class HybridProposer:
     def uses_model(self) -> bool:
         return self._last is self.model
 
+    @property
+    def catchup_seconds(self) -> float:
+        return self.model.catchup_seconds if self._last is self.model else 0.0
+
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.ngram.start(seq, params, generator)
         self.model.start(seq, params, generator)
