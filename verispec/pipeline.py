@@ -118,7 +118,7 @@ def build_pipeline(
     drafter: str = "model",
     draft_quant: str = "none",
     backend: str = "hf",
-    draft_backend: str | None = None,
+    draft_backend: str | None = "auto",
 ) -> Pipeline:
     """`drafter`: model (the draft LM), ngram (prompt lookup, no draft model), hybrid (n-gram when it has a
     confident match, the draft LM otherwise). `backend` / `draft_backend`: hf (transformers) or llamacpp
