@@ -4,7 +4,8 @@ second, from the recent acceptance per draft position and the measured draft and
 With a_i = P(draft i accepted | drafts before it accepted), a round of k drafts emits on average
 E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i tokens and costs T(k) = k * t_draft + t_verify(k). k = 0 is plain
 decoding (E = 1, T = t_verify(0)); when nothing beats it, speculation switches itself off, probing now and
-then with k = 1 (less and less often while probes fail) so that it can switch back on. Only speed depends on these choices, never the output.
+then with k = 1 (less and less often while probes fail) so that it can switch back on. Only speed depends
+on these choices, never the output.
 
 The verify cost is measured per k. It is nearly flat in k for transformers on this CPU but grows about
 linearly on llama.cpp (an eval of 5 tokens costs ~2-3x one), so unmeasured k are interpolated linearly
@@ -45,24 +46,22 @@ class AdaptiveK:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
 
     def verify_cost(self, k: int) -> float:
-        """Measured, else linear between the measured k around it (beyond them: the slope of the nearest
-        two, never below the nearest measured cost; flat with one point)."""
+        """Measured, else linear between the measured k around it; beyond them, the slope of the nearest two,
+        never cheaper than the largest measured k above it nor dearer than the smallest below it."""
         if k in self.t_verify:
             return self.t_verify[k]
         ks = sorted(self.t_verify)
-        below = [m for m in ks if m < k]
-        above = [m for m in ks if m > k]
-        if below and above:
-            lo, hi = below[-1], above[0]
-        elif len(ks) >= 2:
-            lo, hi = (ks[-2], ks[-1]) if below else (ks[0], ks[1])
-        else:
+        if len(ks) == 1:
             return self.t_verify[ks[0]]
-        slope = (self.t_verify[hi] - self.t_verify[lo]) / (hi - lo)
-        nearest = self.t_verify[lo if below else hi] if not (below and above) else None
-        value = self.t_verify[lo] + slope * (k - lo)
-        if nearest is not None:  # extrapolating: costs do not fall with more tokens, nor rise below k = 0's
-            value = max(value, nearest) if not above else min(max(value, 0.0), nearest)
+        lower = [m for m in ks if m < k]
+        upper = [m for m in ks if m > k]
+        lo, hi = (lower[-1], upper[0]) if lower and upper else (ks[-2], ks[-1]) if lower else (ks[0], ks[1])
+        t_lo, t_hi = self.t_verify[lo], self.t_verify[hi]
+        value = t_lo + (t_hi - t_lo) * (k - lo) / (hi - lo)
+        if not upper:
+            return max(value, t_hi)
+        if not lower:
+            return min(max(value, 0.0), t_lo)
         return value
 
     def expected_tokens(self, k: int) -> float:
@@ -84,12 +83,10 @@ class AdaptiveK:
         best = max(range(top + 1), key=lambda k: self.expected_tokens(k) / (k * self.t_draft + self.verify_cost(k)))
         if best == 0:
             self._off_rounds += 1
-            # a probe makes the draft catch up on everything it skipped: space probes so that this stays
-            # under probe_overhead of the time spent decoding plainly in between
-            affordable = self.t_catchup / (self.probe_overhead * self.verify_cost(0))
+            # a probe makes the draft catch up on everything it skipped: space probes so that this stays under
+            # probe_overhead of the plain decoding in between, and double the wait after each failed probe
+            affordable = self.t_catchup / (self.probe_overhead * self.t_verify[0])
             if self._off_rounds >= max(self._interval, affordable):
-                # a probe costs a draft catch-up over the rounds it skipped: each probe that does not switch
-                # speculation back on doubles the wait before the next one
                 self._off_rounds = 0
                 self._interval = min(2 * self._interval, self.max_probe_every)
                 return 1

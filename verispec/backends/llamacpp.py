@@ -31,8 +31,8 @@ def import_llama_cpp():
 
 def available() -> bool:
     try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+        import_llama_cpp()
+    except ModelError:
         return False
     return True
 

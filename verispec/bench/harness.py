@@ -159,8 +159,7 @@ def _run_llama(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: 
     else:
         sampling = dict(temp=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
     eos = pipe.generator.eos_token_ids
-    pipe.generator.reset()  # the target's llama.cpp context may be this one
-    llm.reset()
+    llm.reset()  # forget what this Llama believes its context holds (verispec may have used it since)
     new: list[int] = []
     t0 = time.perf_counter()
     for token in llm.generate(ids, reset=True, repeat_penalty=params.repetition_penalty, **sampling):
@@ -168,8 +167,7 @@ def _run_llama(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: 
         if token in eos or len(new) >= max_new:
             break
     seconds = time.perf_counter() - t0
-    llm.reset()
-    pipe.generator.reset()
+    pipe.generator.reset()  # the target's llama.cpp context may be this one: its cache no longer holds ours
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new)
 
 
