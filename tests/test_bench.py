@@ -147,3 +147,32 @@ def test_cli_bench_end_to_end(pair_dirs, tmp_path, capsys):
     assert [c["name"] for c in last["configs"]] == ["plain", "model k=2", "model k=auto", "hybrid k=2", "hybrid k=auto",
                                                     "hf assisted"]
     assert main(["bench", "--target", target, "--draft", draft, "-k", "0"]) == 2
+
+
+def test_cli_bench_draft_variants_same_run(pair_dirs, tmp_path, capsys):
+    """Extra draft setups run beside the pipeline's own draft, each checked for identity against plain."""
+    target, draft = pair_dirs
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    assert main(["bench", "--target", target, "--draft", draft, "--prompts", str(prompts), "--max-new-tokens", "12",
+                 "-k", "3", "--draft-variants", "hf-int4,hf-int8-v128", "--drafters", "model,ngram"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    names = [c["name"] for c in last["configs"]]
+    assert names == ["plain", "model k=3", "ngram k=3", "model[hf-int4] k=3", "model[hf-int8-v128] k=3"]
+    for config in last["configs"][1:]:
+        assert config["overall"]["identity"]["mismatches"] == 0
+    assert last["configs"][3]["overall"]["acceptance_rate"] > 0
+    assert main(["bench", "--target", target, "--draft", draft, "--draft-variants", "hf-int5"]) == 2
+    assert "unknown draft variant 'hf-int5'" in capsys.readouterr().err
+
+
+def test_parse_draft_variant():
+    from verispec.models import ModelError
+    from verispec.pipeline import parse_draft_variant
+
+    assert parse_draft_variant("llamacpp") == ("llamacpp", "none", 0)
+    assert parse_draft_variant("hf-int4-v32768") == ("hf", "int4", 32768)
+    assert parse_draft_variant("hf-v100") == ("hf", "none", 100)
+    for bad in ("llamacpp-int4", "hf-v", "cuda", "hf-int4-x"):
+        with pytest.raises(ModelError):
+            parse_draft_variant(bad)

@@ -77,6 +77,7 @@ def test_vocabulary_mismatch_is_refused_before_loading(pair_dirs, tmp_path, caps
         (["--top-p", "0"], "top_p"),
         (["--num-draft-tokens", "-2"], "num-draft-tokens"),
         (["--device", "tpu"], "unknown device"),
+        (["--draft-vocab", "-5"], "draft-vocab"),
     ],
 )
 def test_bad_input_is_one_line_error(pair_dirs, capsys, extra, message):
@@ -84,6 +85,16 @@ def test_bad_input_is_one_line_error(pair_dirs, capsys, extra, message):
     assert main(["generate", "--target", target, "--draft", draft, "--prompt", "a", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_int4_reduced_vocab_draft_same_ids(pair_dirs, capsys):
+    target, draft = pair_dirs
+    common = ["--target", target, "--draft", draft, "--prompt", "Hello!", "--max-new-tokens", "24",
+              "--device", "cpu"]
+    spec = _run_json(capsys, *common, "--draft-quant", "int4", "--draft-vocab", "128", "-k", "3")
+    plain = _run_json(capsys, *common, "--no-speculation")
+    assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted"] > 0
+    assert spec["draft_backend"] == "hf"
 
 
 def test_default_pair_missing_says_how_to_pull(tmp_path, monkeypatch, capsys):

@@ -291,6 +291,9 @@ def test_cli_llamacpp_bad_inputs(capsys, tmp_path):
     assert main(["generate", "--target", NAME, "--draft", NAME, "--draft-backend", "llamacpp", "--draft-quant", "int8",
                  "--prompt", "hi"]) != 0
     assert "already quantized" in capsys.readouterr().err
+    assert main(["generate", "--target", NAME, "--draft", NAME, "--draft-backend", "llamacpp", "--draft-vocab",
+                 "4096", "--prompt", "hi"]) != 0
+    assert "--draft-backend hf" in capsys.readouterr().err
 
 
 def test_server_on_llamacpp():

@@ -27,8 +27,12 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                             "matches confidently, else the draft LM (default model)")
         p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=4,
                        help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default 4)")
-        p.add_argument("--draft-quant", default="none", choices=["none", "int8"],
-                       help="weight-only quantisation of the draft model (never the target; exactness unaffected)")
+        p.add_argument("--draft-quant", default="none", choices=["none", "int8", "int4"],
+                       help="weight-only quantisation of the transformers draft (never the target; exactness "
+                            "unaffected)")
+        p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                       help="the transformers draft scores only ~N frequent tokens (q = 0 elsewhere; exactness "
+                            "unaffected), e.g. 32768; 0 = all (default)")
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
 
 
@@ -76,7 +80,7 @@ def _pipeline(args):
     target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull, args.drafter)
     drafter = args.drafter if not args.no_speculation else "model"
     return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens, drafter, args.draft_quant,
-                          args.backend, args.draft_backend)
+                          args.backend, args.draft_backend, args.draft_vocab)
 
 
 def cmd_generate(args) -> int:
@@ -156,10 +160,10 @@ def cmd_bench(args) -> int:
         TimeRemainingColumn,
     )
 
-    from verispec.bench.harness import Config, run_benchmark
+    from verispec.bench.harness import Config, add_draft_variants, run_benchmark
     from verispec.bench.loader import load_prompts, select
     from verispec.bench.report import build_report, render_table, write_plots
-    from verispec.pipeline import build_pipeline, default_refs
+    from verispec.pipeline import build_pipeline, default_refs, parse_draft_variant
 
     params = _sampling(args)
     ks = _k_list(args.num_draft_tokens)
@@ -177,8 +181,13 @@ def cmd_bench(args) -> int:
     for d in drafters:
         if d not in ("model", "ngram", "hybrid"):
             raise ValueError(f"unknown drafter '{d}' in --drafters (use model, ngram, hybrid)")
-    configs = [Config(f"{d} k={k}" if len(drafters) > 1 else f"verispec k={k}", "spec", k, d)
-               for d in drafters for k in ks]
+    variants = [v.strip() for v in (args.draft_variants or "").split(",") if v.strip()]
+    for v in variants:
+        parse_draft_variant(v)  # refuse a bad one before loading anything
+    named = len(drafters) > 1 or bool(variants)
+    configs = [Config(f"{d} k={k}" if named else f"verispec k={k}", "spec", k, d) for d in drafters for k in ks]
+    configs += [Config(f"{d}[{v}] k={k}", "spec", k, f"{d}[{v}]")
+                for v in variants for d in drafters if d != "ngram" for k in ks]
     if "hf" in args.compare:
         configs.append(Config("hf assisted", "hf"))
     if "hf-lookup" in args.compare:
@@ -190,7 +199,8 @@ def cmd_bench(args) -> int:
     needs_draft = any(d != "ngram" for d in drafters) or "hf" in args.compare
     target, draft = default_refs(args.target, args.draft, True, args.pull, "model" if needs_draft else "ngram")
     pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0], "model" if needs_draft else "ngram",
-                          args.draft_quant, args.backend, args.draft_backend)
+                          args.draft_quant, args.backend, args.draft_backend, args.draft_vocab)
+    add_draft_variants(pipe, variants)
     console = _stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
@@ -209,7 +219,7 @@ def cmd_bench(args) -> int:
         "target": target, "draft": draft, "device": str(pipe.device), "dtype": args.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
-        "draft_quant": args.draft_quant, "backend": pipe.backend, "draft_backend": pipe.draft_backend,
+        "draft_quant": args.draft_quant, "draft_vocab": args.draft_vocab, "draft_variants": variants, "backend": pipe.backend, "draft_backend": pipe.draft_backend,
     }
     report = build_report(runs, configs, meta)
     from rich.console import Console
@@ -338,8 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json-out", help="also write the JSON document to this file")
     b.add_argument("--plot-dir", help="write PNG plots here")
     b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")
-    b.add_argument("--draft-quant", default="none", choices=["none", "int8"],
+    b.add_argument("--draft-quant", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantisation of the draft model (HF assisted generation then uses it too)")
+    b.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="the draft scores only ~N frequent tokens (HF assisted keeps the full head)")
+    b.add_argument("--draft-variants", metavar="LIST",
+                   help="more draft setups compared in the same run, e.g. llamacpp,hf-int4,hf-int4-v32768 "
+                        "(backend[-quant][-vVOCAB]); shown as model[variant] / hybrid[variant]")
     _add_model_args(b, speculation_flags=False)
     _add_sampling_args(b)
     b.set_defaults(func=cmd_bench, max_new_tokens=128)

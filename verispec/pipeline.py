@@ -21,7 +21,8 @@ from verispec.loading import (
 )
 from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
-from verispec.quant import quantize_model
+from verispec.quant import QUANT_MODES, quantize_model
+from verispec.vocab import frequent_tokens, restrict_head
 
 DRAFTERS = ("model", "ngram", "hybrid")
 BACKENDS = ("hf", "llamacpp")
@@ -71,10 +72,10 @@ def _check_backend(name: str) -> str:
 
 
 def choose_draft_backend(draft_backend: str | None, backend: str, draft: str | None, device: torch.device,
-                         draft_quant: str) -> str:
+                         draft_quant: str, draft_vocab: int = 0) -> str:
     """None: the target's backend. auto: llama.cpp when the draft is a GGUF model (e.g. the default pair),
-    llama-cpp-python is installed, the models run on the CPU and no transformers quantisation was asked
-    for (measured here: the 0.5B draft costs ~0.16 of the bf16 1.5B target on llama.cpp, ~0.5 on
+    llama-cpp-python is installed, the models run on the CPU and no transformers quantisation or reduced
+    head was asked for (measured here: the 0.5B draft costs ~0.16 of the bf16 1.5B target on llama.cpp, ~0.5 on
     transformers bf16, ~0.27 in int8); else the target's backend."""
     if draft_backend is None:
         return backend
@@ -86,7 +87,7 @@ def choose_draft_backend(draft_backend: str | None, backend: str, draft: str | N
         return backend
     from verispec.backends.llamacpp import available
 
-    if draft is None or device.type != "cpu" or draft_quant != "none" or not available():
+    if draft is None or device.type != "cpu" or draft_quant != "none" or draft_vocab or not available():
         return backend
     try:
         resolve_gguf(draft)
@@ -95,18 +96,48 @@ def choose_draft_backend(draft_backend: str | None, backend: str, draft: str | N
     return "llamacpp"
 
 
-def load_backend(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str = "none"):
-    """(Model, EOS ids it knows of) for `ref` on `backend`."""
+def load_backend(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str = "none",
+                 head_ids: torch.Tensor | None = None):
+    """(Model, EOS ids it knows of) for `ref` on `backend`; `head_ids`: score only these tokens (a reduced
+    draft vocabulary), `quant`: weight-only draft quantisation (transformers only)."""
     if backend == "llamacpp":
         from verispec.backends.llamacpp import LlamaCppModel
 
         if quant != "none":
             raise ModelError(f"--draft-quant {quant} applies to the transformers backend; a GGUF model is already "
                              f"quantized")
+        if head_ids is not None:
+            raise ModelError("--draft-vocab applies to the transformers backend (llama.cpp always scores the "
+                             "whole vocabulary): add --draft-backend hf")
         model = LlamaCppModel(resolve_gguf(ref), device, n_ctx=LLAMA_CONTEXT)
         return model, [model.llm.token_eos(), *configured_eos_ids(ref)]
-    hf_model = quantize_model(load_model(ref, device, dtype), quant)
+    hf_model = load_model(ref, device, dtype)
+    if head_ids is not None:
+        restrict_head(hf_model, head_ids)
+    hf_model = quantize_model(hf_model, quant)
     return HFModel(hf_model), eos_token_ids(hf_model, None)
+
+
+def load_draft(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str, vocab: int,
+               tokenizer, target_vocab: int) -> DraftModelProposer:
+    """A draft-model proposer for `ref` on `backend` (transformers: `quant`, `vocab` > 0 = reduced head)."""
+    head_ids = frequent_tokens(tokenizer, vocab, target_vocab) if vocab else None
+    model, _ = load_backend(ref, backend, device, dtype, quant, head_ids)
+    return DraftModelProposer(model, target_vocab)
+
+
+def parse_draft_variant(text: str) -> tuple[str, str, int]:
+    """'llamacpp', 'hf', 'hf-int4', 'hf-int8-v32768', 'hf-v16384' -> (backend, quant, vocab)."""
+    parts = text.strip().split("-")
+    backend, quant, vocab = parts[0], "none", 0
+    rest = parts[1:]
+    if rest and rest[0] in QUANT_MODES:
+        quant = rest.pop(0)
+    if rest and rest[0].startswith("v") and rest[0][1:].isdigit():
+        vocab = int(rest.pop(0)[1:])
+    if backend not in BACKENDS or rest or (backend == "llamacpp" and (quant != "none" or vocab)):
+        raise ModelError(f"unknown draft variant '{text}' (e.g. llamacpp, hf, hf-int4, hf-int4-v32768)")
+    return backend, quant, vocab
 
 
 def build_pipeline(
@@ -119,18 +150,22 @@ def build_pipeline(
     draft_quant: str = "none",
     backend: str = "hf",
     draft_backend: str | None = "auto",
+    draft_vocab: int = 0,
 ) -> Pipeline:
     """`drafter`: model (the draft LM), ngram (prompt lookup, no draft model), hybrid (n-gram when it has a
     confident match, the draft LM otherwise). `backend` / `draft_backend`: hf (transformers) or llamacpp
     (GGUF on llama.cpp), mixed as wanted; draft_backend None = the target's, "auto" = see
-    choose_draft_backend."""
+    choose_draft_backend. `draft_vocab` N > 0: the draft scores only ~N frequent tokens (verispec.vocab)."""
     if drafter not in DRAFTERS:
         raise ModelError(f"unknown drafter '{drafter}' (use {', '.join(DRAFTERS)})")
     backend = _check_backend(backend)
     if drafter == "ngram":
         draft = None
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    draft_backend = _check_backend(choose_draft_backend(draft_backend, backend, draft, dev, draft_quant))
+    if draft_vocab < 0:
+        raise ModelError(f"--draft-vocab must be >= 0 (0 = the whole vocabulary), got {draft_vocab}")
+    draft_backend = _check_backend(choose_draft_backend(draft_backend, backend, draft, dev, draft_quant,
+                                                        draft_vocab))
     if "llamacpp" in (backend, draft_backend if draft is not None else backend):
         from verispec.backends.llamacpp import import_llama_cpp
 
@@ -149,8 +184,8 @@ def build_pipeline(
         proposer = NgramProposer()
     elif draft is not None:
         t0 = time.perf_counter()
-        draft_model, _ = load_backend(draft, draft_backend, dev, dt, draft_quant)
-        model_proposer = DraftModelProposer(draft_model, target_model.vocab_size)
+        model_proposer = load_draft(draft, draft_backend, dev, dt, draft_quant, draft_vocab, tokenizer,
+                                    target_model.vocab_size)
         times["draft"] = time.perf_counter() - t0
         proposer = HybridProposer(NgramProposer(), model_proposer) if drafter == "hybrid" else model_proposer
     eos = sorted({*eos, *eos_token_ids(None, tokenizer)})

@@ -1,17 +1,32 @@
-"""Weight-only int8 quantisation for the draft model (the target is never quantised).
+"""Weight-only int8 / int4 quantisation for the draft model (the target is never quantised).
 
 Draft precision changes only how often drafts are accepted, never the output distribution: the verifier
 uses the target's full-precision p, and q is whatever distribution the (quantised) draft sampled from.
-On CPU the matmul runs in PyTorch's `_weight_int8pack_mm` kernel (int8 weights, per-output-channel scales);
-elsewhere the weights are dequantised on the fly.
+On CPU the matmuls run in PyTorch's packed kernels (`_weight_int8pack_mm`: int8 weights with per-output-
+channel scales; `_weight_int4pack_mm_for_cpu`: 4-bit weights with a scale and offset per group of
+INT4_GROUP input channels); elsewhere the weights are dequantised on the fly.
+Measured here on a 4864x896 layer (ms; bf16 / int4 / int8): 1 row 0.54 / 0.22 / 0.27, 4 rows 0.51 / 0.39 /
+0.45, 8 rows 0.53 / 0.77 / 0.86, 256 rows 2.9 / 20 / 23. The packed kernels are matrix-vector kernels: their
+cost grows with the rows while bf16's barely moves up to ~16 rows. So on CPU a quantised layer keeps its
+bf16 weights too and uses them for batches over PACKED_MAX_ROWS rows (prefill, catch-up): decoding runs
+at int speed, prefill at bf16 speed, at the price of the extra memory (0.25 GB int4 + 1 GB bf16 for the
+0.5B draft). The rows chosen never change which distribution is verified: q is whatever the draft computed.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-QUANT_MODES = ("none", "int8")
+QUANT_MODES = ("none", "int8", "int4")
+INT4_GROUP = 32  # input channels sharing one scale/offset (the kernel takes 32, 64, 128 or 256)
+PACKED_MAX_ROWS = 4  # larger batches use the bf16 weights (see above)
+
+
+def _dense_copy(linear: nn.Linear) -> torch.Tensor | None:
+    """The float weights kept for large batches (CPU only: elsewhere the dequantised path is used)."""
+    return linear.weight.detach().clone() if linear.weight.device.type == "cpu" else None
 
 
 class Int8Linear(nn.Module):
@@ -24,12 +39,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_buffer("dense", _dense_copy(linear))
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scales = self.scales.to(x.dtype)
+        if self.dense is not None and flat.shape[0] > PACKED_MAX_ROWS:
+            return F.linear(flat, self.dense, self.bias).reshape(*shape[:-1], self.out_features)
         if x.device.type == "cpu":
             y = torch._weight_int8pack_mm(flat, self.weight, scales)
         else:
@@ -39,14 +57,63 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+class Int4Linear(nn.Module):
+    """Asymmetric 4-bit weights per group of INT4_GROUP input channels: w = q * scale + low, q in 0..15."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [out, in]
+        out_f, in_f = w.shape
+        groups = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
+        low = groups.amin(dim=-1, keepdim=True)
+        scale = ((groups.amax(dim=-1, keepdim=True) - low) / 15).clamp_min(1e-8)
+        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+        dtype = linear.weight.dtype
+        scale, low = scale.squeeze(-1), low.squeeze(-1)  # [out, in / G]
+        self.cpu = w.device.type == "cpu"
+        if self.cpu:  # the kernel computes (q - 8) * scale + zero
+            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            zero = low + 8 * scale
+            self.register_buffer("scales_zeros", torch.stack([scale.T, zero.T], dim=-1).to(dtype).contiguous())
+        else:  # [out, in] as uint8 codes, dequantised per call
+            self.register_buffer("weight", q.to(torch.uint8))
+            self.register_buffer("scales_zeros", torch.stack([scale, low], dim=-1).to(dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_buffer("dense", _dense_copy(linear))
+        self.in_features, self.out_features = in_f, out_f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if self.dense is not None and flat.shape[0] > PACKED_MAX_ROWS:
+            return F.linear(flat, self.dense, self.bias).reshape(*shape[:-1], self.out_features)
+        if self.cpu:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP,
+                                                            self.scales_zeros.to(x.dtype))
+        else:
+            scale, low = self.scales_zeros.to(x.dtype).unbind(-1)  # [out, in / G] each
+            codes = self.weight.to(x.dtype).view(self.out_features, -1, INT4_GROUP)
+            w = (codes * scale[..., None] + low[..., None]).view(self.out_features, self.in_features)
+            y = flat @ w.T
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
-    """Replace every nn.Linear (attention, MLP, LM head) with its quantised version, in place."""
+    """Replace every nn.Linear (attention, MLP, LM head) with its quantised version, in place. int4 leaves
+    a layer in its original precision when the packed kernel cannot take its shape (input width not a
+    multiple of INT4_GROUP, output width not a multiple of 16)."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantisation '{mode}' (use {', '.join(QUANT_MODES)})")
     if mode == "none":
         return model
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear):
+                continue
+            if mode == "int8":
                 setattr(module, child_name, Int8Linear(child))
+            elif child.in_features % INT4_GROUP == 0 and child.out_features % 16 == 0:
+                setattr(module, child_name, Int4Linear(child))
     return model

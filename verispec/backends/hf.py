@@ -12,7 +12,8 @@ class HFModel:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()  # a SubsetHead (reduced draft vocabulary) says its full width
+        self.vocab_size = int(getattr(head, "vocab_size", None) or head.weight.shape[0])
         self.max_length = int(getattr(model.config, "max_position_embeddings", None) or 1 << 31)
         self.cache = DynamicCache(config=model.config)
         self._length = 0

@@ -16,6 +16,7 @@ from verispec.pipeline import Pipeline
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.sampling import SamplingParams
 from verispec.text import encode_prompt
+from verispec.vocab import SubsetHead
 
 KINDS = ("plain", "spec", "hf", "hf-lookup", "llama", "llama-lookup")
 LOOKUP_CONTEXT = 4096  # llama-cpp-python's prompt lookup keeps n_ctx x V float32 scores: keep n_ctx modest
@@ -42,7 +43,26 @@ def proposers_for(pipe: Pipeline) -> dict:
     found = {"ngram": NgramProposer()}
     if model is not None:
         found.update(model=model, hybrid=HybridProposer(NgramProposer(), model))
+    for name, variant in pipe.extras.get("draft-variants", {}).items():  # other draft setups, same run
+        found[f"model[{name}]"] = variant
+        found[f"hybrid[{name}]"] = HybridProposer(NgramProposer(), variant)
     return found
+
+
+def add_draft_variants(pipe: Pipeline, variants: list[str]) -> None:
+    """Load extra draft setups (e.g. 'llamacpp', 'hf-int4-v32768') beside the pipeline's own, so that one
+    benchmark run compares them; configurations name them as drafter 'model[variant]' / 'hybrid[variant]'."""
+    from verispec.pipeline import load_draft, parse_draft_variant
+
+    if variants and pipe.draft_ref is None:
+        raise ValueError("--draft-variants needs a draft model")
+    target = pipe.generator.target
+    dtype = next(target.model.parameters()).dtype if isinstance(target, HFModel) else torch.bfloat16
+    found = pipe.extras.setdefault("draft-variants", {})
+    for text in variants:
+        backend, quant, vocab = parse_draft_variant(text)
+        found[text] = load_draft(pipe.draft_ref, backend, pipe.device, dtype, quant, vocab, pipe.tokenizer,
+                                 pipe.generator.target.vocab_size)
 
 
 @dataclass
@@ -93,8 +113,9 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
 
 def _hf_draft(pipe: Pipeline, draft):
     """The transformers draft HF assisted generation needs: the pipeline's own, or (when the draft runs on
-    llama.cpp) the same model loaded on transformers for the benchmark, in the target's dtype."""
-    if isinstance(draft, HFModel):
+    llama.cpp or has a reduced head) the same model loaded on transformers for the benchmark, in the
+    target's dtype."""
+    if isinstance(draft, HFModel) and not isinstance(draft.model.get_output_embeddings(), SubsetHead):
         return draft.model
     if "hf-draft" not in pipe.extras:
         from verispec.loading import load_model
