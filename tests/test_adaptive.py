@@ -53,6 +53,38 @@ def test_expensive_catch_up_spaces_probes():
     assert [i for i, k in enumerate(picks) if k == 1] == [499, 999]
 
 
+def test_catch_up_must_pay_for_itself():
+    """Drafting saves 0.05 s a token here; a draft 100 tokens behind at 0.01 s a catch-up token costs 1 s:
+    worth it for 30 remaining tokens only when less than 1.5 s of catch-up is pending."""
+    policy = AdaptiveK(k_max=4, acceptance=[1.0] * 4)
+    policy.t_draft, policy.t_verify = 0.025, {0: 0.1, 4: 0.15}  # 4 drafts: (0.1 + 0.15) / 5 = 0.05 s a token
+    assert policy.seconds_per_token(4) == pytest.approx(0.05)
+    policy.update(4, 4, 0.1, 0.15, catchup_seconds=2.0, catchup_tokens=200)
+    assert policy.t_catchup_token == pytest.approx(0.01)
+    assert policy.choose(limit=30, pending=100) == 4
+    assert policy.choose(limit=30, pending=160) == 0
+    assert policy.choose(limit=30, pending=0) == 4
+
+
+def test_draft_model_reports_pending_catch_up(target):
+    from verispec.backends import HFModel
+    from verispec.proposers import DraftModelProposer
+    from verispec.sampling import SamplingParams
+    from verispec.sequence import TokenSequence
+
+    import torch
+
+    proposer = DraftModelProposer(HFModel(tiny_qwen2(3)), 64)
+    seq = TokenSequence(list(range(1, 11)), 40, torch.device("cpu"))
+    proposer.start(seq, SamplingParams(), torch.Generator())
+    assert proposer.pending(seq) == 9  # the prompt but its last token, fed with the first draft step
+    proposer.propose(seq, 2)
+    assert proposer.catchup_tokens == 9 and proposer.catchup_seconds > 0
+    proposer.observe(seq, 2, 0)
+    seq.extend([5], torch.tensor([5]))
+    assert proposer.pending(seq) == 0
+
+
 def test_update_only_reached_positions():
     policy = AdaptiveK(k_max=4, decay=0.5, prior_acceptance=0.5)
     policy.update(4, 1, 0.4, 1.0)  # position 0 accepted, position 1 rejected, 2-3 never reached
@@ -74,7 +106,7 @@ def test_useless_draft_switches_speculation_off(target):
     eng = make_engine(target, useless, k="auto")
     chosen = []
     real_choose = eng.k_policy.choose
-    eng.k_policy.choose = lambda limit: chosen.append((real_choose(limit), limit)) or chosen[-1][0]
+    eng.k_policy.choose = lambda limit, pending=0: chosen.append((real_choose(limit, pending), limit)) or chosen[-1][0]
     out = eng.generate([1, 2, 3], max_new_tokens=120)
     assert out.token_ids == make_engine(target).generate([1, 2, 3], max_new_tokens=120).token_ids
     assert all(0 <= k <= min(limit, 8) for k, limit in chosen)

@@ -11,6 +11,11 @@ The verify cost is measured per k. It is nearly flat in k for transformers on th
 linearly on llama.cpp (an eval of 5 tokens costs ~2-3x one), so unmeasured k are interpolated linearly
 between measured ones (extrapolated from the two largest), and plain decoding (k = 0) is measured once
 early instead of being assumed to cost what a verify pass does.
+
+A draft model that has fallen behind (a new prompt, or rounds decoded without it) must first catch up on
+the tokens it has not seen, a one-off prefill that can cost seconds (the 0.5B on llama.cpp: ~10 ms per
+token). The policy weighs it: drafting starts only when the time speculation saves over the tokens still
+to generate exceeds the catch-up's estimated cost (pending tokens x the measured seconds per catch-up token).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class AdaptiveK:
     max_probe_every: int = 256
     probe_overhead: float = 0.02  # probes may cost at most this share of decoding time (their draft catch-up)
     t_catchup: float = 0.0  # seconds the draft needed last time to catch up on skipped tokens
+    t_catchup_token: float | None = None  # seconds per token of draft catch-up (None: not measured yet)
     _off_rounds: int = 0
     _interval: int = 0  # rounds to the next probe (probe_every, doubling while probes fail)
 
@@ -71,8 +77,12 @@ class AdaptiveK:
             total += run
         return total
 
-    def choose(self, limit: int) -> int:
-        """k for the next round, at most min(limit, k_max)."""
+    def seconds_per_token(self, k: int) -> float:
+        return (k * self.t_draft + self.verify_cost(k)) / self.expected_tokens(k)
+
+    def choose(self, limit: int, pending: int = 0) -> int:
+        """k for the next round, at most min(limit, k_max); `pending`: tokens the draft must catch up on
+        before it can draft (0 for drafters without a model)."""
         top = min(limit, self.k_max)
         if top <= 0:
             return 0
@@ -80,12 +90,18 @@ class AdaptiveK:
             return top  # nothing measured yet: draft, and learn
         if 0 not in self.t_verify:
             return 0  # measure plain decoding once: it is the alternative every k is weighed against
-        best = max(range(top + 1), key=lambda k: self.expected_tokens(k) / (k * self.t_draft + self.verify_cost(k)))
+        best = min(range(top + 1), key=self.seconds_per_token)
+        catchup = pending * self.t_catchup_token if pending and self.t_catchup_token is not None else None
+        if best > 0 and catchup is not None:
+            saved = (self.t_verify[0] - self.seconds_per_token(best)) * limit
+            if saved < catchup:
+                return 0  # catching the draft up costs more than speculating can win back in this generation
         if best == 0:
             self._off_rounds += 1
             # a probe makes the draft catch up on everything it skipped: space probes so that this stays under
             # probe_overhead of the plain decoding in between, and double the wait after each failed probe
-            affordable = self.t_catchup / (self.probe_overhead * self.t_verify[0])
+            catchup = self.t_catchup if catchup is None else catchup
+            affordable = catchup / (self.probe_overhead * self.t_verify[0])
             if self._off_rounds >= max(self._interval, affordable):
                 self._off_rounds = 0
                 self._interval = min(2 * self._interval, self.max_probe_every)
@@ -96,11 +112,13 @@ class AdaptiveK:
         return best
 
     def update(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-               catchup_seconds: float = 0.0) -> None:
+               catchup_seconds: float = 0.0, catchup_tokens: int = 0) -> None:
         """After a round that drafted k tokens (accepted of them) and took these times (catch-up: the
-        draft's prefill of tokens it had not seen, outside draft_seconds)."""
+        draft's prefill of `catchup_tokens` tokens it had not seen, outside draft_seconds)."""
         if catchup_seconds > 0.0:
             self.t_catchup = catchup_seconds
+            if catchup_tokens > 0:
+                self.t_catchup_token = self._ema(self.t_catchup_token, catchup_seconds / catchup_tokens)
         self.t_verify[k] = self._ema(self.t_verify.get(k), verify_seconds)
         if k == 0:
             return

@@ -19,17 +19,17 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                    help="target backend: hf (transformers) or llamacpp (the GGUF file on llama.cpp; needs the "
                         "[llamacpp] extra) (default hf)")
     p.add_argument("--draft-backend", default="auto", choices=["auto", "hf", "llamacpp"],
-                   help="draft backend; backends can be mixed. auto (default): llama.cpp for a GGUF draft (the "
-                        "default pair) on the CPU when llama-cpp-python is installed, else the target's")
+                   help="draft backend; backends can be mixed (e.g. a llama.cpp draft for a transformers "
+                        "target). auto (default): the target's")
     if speculation_flags:
         p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
                        help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
                             "matches confidently, else the draft LM (default model)")
         p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=4,
                        help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default 4)")
-        p.add_argument("--draft-quant", default="none", choices=["none", "int8", "int4"],
+        p.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
                        help="weight-only quantisation of the transformers draft (never the target; exactness "
-                            "unaffected)")
+                            "unaffected). auto (default): int4 on the CPU, none elsewhere")
         p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                        help="the transformers draft scores only ~N frequent tokens (q = 0 elsewhere; exactness "
                             "unaffected), e.g. 32768; 0 = all (default)")
@@ -111,6 +111,7 @@ def cmd_generate(args) -> int:
             "drafter": pipe.drafter,
             "backend": pipe.backend,
             "draft_backend": pipe.draft_backend,
+            "draft_quant": pipe.draft_quant,
             "load_seconds": pipe.load_seconds,
             "stats": result.stats.to_dict(),
         }))
@@ -219,7 +220,8 @@ def cmd_bench(args) -> int:
         "target": target, "draft": draft, "device": str(pipe.device), "dtype": args.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
-        "draft_quant": args.draft_quant, "draft_vocab": args.draft_vocab, "draft_variants": variants, "backend": pipe.backend, "draft_backend": pipe.draft_backend,
+        "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab, "draft_variants": variants,
+        "backend": pipe.backend, "draft_backend": pipe.draft_backend,
     }
     report = build_report(runs, configs, meta)
     from rich.console import Console
@@ -348,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json-out", help="also write the JSON document to this file")
     b.add_argument("--plot-dir", help="write PNG plots here")
     b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")
-    b.add_argument("--draft-quant", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantisation of the draft model (HF assisted generation then uses it too)")
+    b.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantisation of the transformers draft (auto: int4 on the CPU); HF assisted "
+                        "generation always gets the bf16 draft, its library default")
     b.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="the draft scores only ~N frequent tokens (HF assisted keeps the full head)")
     b.add_argument("--draft-variants", metavar="LIST",

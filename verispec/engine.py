@@ -179,12 +179,17 @@ class SpeculativeGenerator:
         try:
             while generated < max_new_tokens:
                 limit = max_new_tokens - generated - 1 if self.proposer is not None else 0
-                k = self.k_policy.choose(limit) if auto else min(num_draft_tokens, limit)
+                if auto:
+                    pending = self.proposer.pending(seq) if hasattr(self.proposer, "pending") else 0
+                    k = self.k_policy.choose(limit, pending)
+                else:
+                    k = min(num_draft_tokens, limit)
                 before = (stats.draft_seconds, stats.target_seconds, stats.drafted, stats.prefill_seconds)
                 accepted, committed = self._round(seq, k, params, gen, stats)
                 if auto:
                     self.k_policy.update(stats.drafted - before[2], accepted, stats.draft_seconds - before[0],
-                                         stats.target_seconds - before[1], stats.prefill_seconds - before[3])
+                                         stats.target_seconds - before[1], stats.prefill_seconds - before[3],
+                                         getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0)
                 generated_ids = seq.generated
                 keep = self._stop_index(generated_ids, generated, stop)
                 if keep is not None:

@@ -112,10 +112,11 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
 
 
 def _hf_draft(pipe: Pipeline, draft):
-    """The transformers draft HF assisted generation needs: the pipeline's own, or (when the draft runs on
-    llama.cpp or has a reduced head) the same model loaded on transformers for the benchmark, in the
-    target's dtype."""
-    if isinstance(draft, HFModel) and not isinstance(draft.model.get_output_embeddings(), SubsetHead):
+    """The transformers draft HF assisted generation gets: the pipeline's own when it is the plain model,
+    else (a llama.cpp, quantised or reduced-head draft) the same model loaded plainly for the benchmark,
+    in the target's dtype: HF is measured with its library defaults."""
+    if isinstance(draft, HFModel) and pipe.draft_quant == "none" and not isinstance(
+            draft.model.get_output_embeddings(), SubsetHead):
         return draft.model
     if "hf-draft" not in pipe.extras:
         from verispec.loading import load_model

@@ -47,6 +47,7 @@ class DraftModelProposer:
         self.generator: torch.Generator | None = None
         self._base = 0  # len(seq) when the last draft started
         self.catchup_seconds = 0.0  # of the last propose: prefill/catch-up, not drafting (for the k policy)
+        self.catchup_tokens = 0  # tokens that catch-up processed
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         """Keep the cached prefix this sequence shares; the rest is prefilled lazily by the first draft,
@@ -56,15 +57,22 @@ class DraftModelProposer:
         keep = min(common_prefix_length(held, seq.ids), len(seq) - 1, self.model.length)
         self.model.rollback(keep)
         self._held_seq, self._held_len = seq, keep
-        self.catchup_seconds = 0.0
+        self.catchup_seconds, self.catchup_tokens = 0.0, 0
+
+    def pending(self, seq: TokenSequence) -> int:
+        """Tokens the next propose must first feed in one catch-up pass (0 when it just feeds the last one
+        or two committed tokens with its first draft step)."""
+        behind = len(seq) - self.model.length
+        return behind - 1 if behind > 2 else 0
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
         params = self.params
         feed = seq.device_ids[self.model.length :]  # [m >= 1] committed tokens not yet seen
-        self.catchup_seconds = 0.0
+        self.catchup_seconds, self.catchup_tokens = 0.0, 0
         if feed.numel() > 2:  # a prompt, or rounds decoded without this draft: one batched catch-up pass
             t0 = time.perf_counter()
             self.model.forward(feed[:-1], last_only=True)
+            self.catchup_tokens = feed.numel() - 1
             feed = feed[-1:]
             self.catchup_seconds = time.perf_counter() - t0
         self._base = len(seq)

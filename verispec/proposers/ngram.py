@@ -68,6 +68,13 @@ class HybridProposer:
     def catchup_seconds(self) -> float:
         return self.model.catchup_seconds if self._last is self.model else 0.0
 
+    @property
+    def catchup_tokens(self) -> int:
+        return self.model.catchup_tokens if self._last is self.model else 0
+
+    def pending(self, seq: TokenSequence) -> int:
+        return self.model.pending(seq)
+
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.ngram.start(seq, params, generator)
         self.model.start(seq, params, generator)
