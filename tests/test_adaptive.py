@@ -92,6 +92,23 @@ def test_update_only_reached_positions():
     assert policy.t_draft == pytest.approx(0.1) and policy.t_verify == {4: 1.0}
     with pytest.raises(ValueError):
         AdaptiveK(k_max=0)
+    policy.update(2, 2, 0.2, 1.0)  # k = 2, both accepted: positions 2-3 unobserved, drift towards the one before
+    assert policy.acceptance[:2] == [0.875, 0.625]
+    assert policy.acceptance[2] == pytest.approx(0.5 + 0.05 * (0.625 - 0.5))
+
+
+def test_deeper_positions_get_tried_again():
+    """A bad early estimate at position 4 must not cap k forever: while k = 3 keeps being fully accepted,
+    position 4's estimate drifts up until k = 4 and beyond are tried."""
+    policy = AdaptiveK(k_max=6, acceptance=[0.9, 0.9, 0.9, 0.0, 0.0, 0.0])
+    policy.t_draft, policy.t_verify = 0.02, {0: 1.0, 3: 1.0}
+    assert policy.choose(limit=100) == 3
+    picks = []
+    for _ in range(100):
+        k = policy.choose(limit=100)
+        picks.append(k)
+        policy.update(k, k, 0.02 * k, 1.0)  # every draft accepted
+    assert max(picks) == 6
 
 
 @pytest.fixture(scope="module")

@@ -156,7 +156,9 @@ def test_cli_bench_draft_variants_same_run(pair_dirs, tmp_path, capsys):
     prompts.write_text("hello\n")
     assert main(["bench", "--target", target, "--draft", draft, "--prompts", str(prompts), "--max-new-tokens", "12",
                  "-k", "3", "--draft-variants", "hf-int4,hf-int8-v128", "--drafters", "model,ngram"]) == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert "bench 5/5 " in captured.err  # not a terminal: one progress line per run
     names = [c["name"] for c in last["configs"]]
     assert names == ["plain", "model k=3", "ngram k=3", "model[hf-int4] k=3", "model[hf-int8-v128] k=3"]
     for config in last["configs"][1:]:

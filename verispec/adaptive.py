@@ -32,6 +32,7 @@ class AdaptiveK:
     acceptance: list[float] = field(default_factory=list)  # a_i, i = 0 .. k_max-1
     t_draft: float | None = None  # seconds per draft forward (None: not measured yet)
     t_verify: dict[int, float] = field(default_factory=dict)  # k -> seconds of a verify pass over k+1 tokens
+    explore: float = 0.05  # per round, how far an unobserved position's estimate moves towards the one before
     max_probe_every: int = 256
     probe_overhead: float = 0.02  # probes may cost at most this share of decoding time (their draft catch-up)
     t_catchup: float = 0.0  # seconds the draft needed last time to catch up on skipped tokens
@@ -123,5 +124,10 @@ class AdaptiveK:
         if k == 0:
             return
         self.t_draft = self._ema(self.t_draft, draft_seconds / k)
-        for i in range(min(accepted + 1, k)):  # positions reached this round
+        reached = min(accepted + 1, k)
+        for i in range(reached):  # positions reached this round
             self.acceptance[i] = self._ema(self.acceptance[i], 1.0 if i < accepted else 0.0)
+        # Positions beyond k are not observed while k stays below them, so a bad early estimate there would
+        # stick; let each drift towards the one before it so that deeper drafts get tried again.
+        for i in range(max(k, 1), self.k_max):
+            self.acceptance[i] += self.explore * (self.acceptance[i - 1] - self.acceptance[i])

@@ -204,14 +204,22 @@ def cmd_bench(args) -> int:
     add_draft_variants(pipe, variants)
     console = _stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
-                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                        disable=not console.is_terminal)
     total = len(prompts) * (1 + len(configs))
+    done = 0
+
+    def on_run(r) -> None:
+        nonlocal done
+        done += 1
+        last = f"{r.category}/{r.config}: {r.tokens_per_second:.1f} tok/s"
+        progress.update(task, advance=1, last=last)
+        if not console.is_terminal:  # a log file: one line per run instead of a bar drawn only at the end
+            console.print(f"bench {done}/{total} {r.prompt_id} {last}", highlight=False, soft_wrap=True)
+
     with progress:
         task = progress.add_task("bench", total=total, last="warm-up")
-        runs = run_benchmark(
-            pipe, prompts, configs, params, args.max_new_tokens, warmup=args.warmup,
-            on_run=lambda r: progress.update(task, advance=1, last=f"{r.category}/{r.config}: {r.tokens_per_second:.1f} tok/s"),
-        )
+        runs = run_benchmark(pipe, prompts, configs, params, args.max_new_tokens, warmup=args.warmup, on_run=on_run)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
