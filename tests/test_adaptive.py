@@ -146,3 +146,46 @@ def test_auto_with_draft_model_is_exact(target, k):
     draft = perturbed(target, seed=2, noise=0.05)
     plain = make_engine(target).generate([4, 2], max_new_tokens=50).token_ids
     assert make_engine(target, draft, k=k).generate([4, 2], max_new_tokens=50).token_ids == plain
+
+
+def test_sources_have_their_own_policies():
+    policy = AdaptiveK(k_max=4)
+    ngram, model = policy.for_source("ngram"), policy.for_source("model")
+    assert policy.for_source(None) is policy and policy.for_source("ngram") is ngram and ngram is not model
+    ngram.update(4, 4, 0.0, 0.2)
+    model.update(4, 0, 4 * 0.5, 0.2)
+    assert policy.t_verify == {4: 0.2} and model.t_verify is policy.t_verify  # verify costs are shared
+    assert ngram.acceptance[0] > policy.prior_acceptance > model.acceptance[0]
+    assert ngram.t_draft == 0.0 and model.t_draft == 0.5
+
+
+def test_model_source_switches_off_while_ngram_drafts_go_on():
+    """Hybrid rounds on a llama.cpp-like target: n-gram drafts are free and accepted, model drafts cost
+    0.3 of a verify pass and are rejected. The model's sub-policy falls to k = 0; the n-gram one drafts on."""
+    policy = AdaptiveK(k_max=4)
+    policy.update(0, 0, 0.0, 0.1)
+    for _ in range(30):
+        ngram = policy.for_source("ngram")
+        k = ngram.choose(limit=100)
+        ngram.update(k, k, 0.0, 0.1 + 0.02 * k)
+        model = policy.for_source("model")
+        k = model.choose(limit=100)
+        model.update(k, 0, 0.03 * k, 0.1 + 0.02 * k)
+    assert policy.for_source("ngram").choose(limit=100) == 4
+    assert policy.for_source("model").choose(limit=100) == 0
+
+
+def test_hybrid_auto_is_exact(target):
+    prompt = [5, 6, 7, 8, 9, 10] * 8
+    plain = make_engine(target).generate(prompt, max_new_tokens=80).token_ids
+    eng = make_engine(target, tiny_qwen2(99), k="auto", drafter="hybrid")
+    assert eng.generate(prompt, max_new_tokens=80).token_ids == plain
+    assert set(eng.k_policy.by_source) <= {"ngram", "model"} and eng.k_policy.by_source
+
+
+def test_verify_cost_never_decreases_with_k():
+    """One slow plain round (a timing spike) must not make plain decoding look dearer than verifying k
+    drafts: the estimate for k is capped by every measured larger k."""
+    policy = AdaptiveK(k_max=4, t_verify={0: 0.5, 2: 0.1, 4: 0.12})
+    assert policy.verify_cost(0) == pytest.approx(0.1) and policy.verify_cost(1) == pytest.approx(0.1)
+    assert policy.verify_cost(3) == pytest.approx(0.11)

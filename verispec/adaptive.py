@@ -16,6 +16,10 @@ A draft model that has fallen behind (a new prompt, or rounds decoded without it
 the tokens it has not seen, a one-off prefill that can cost seconds (the 0.5B on llama.cpp: ~10 ms per
 token). The policy weighs it: drafting starts only when the time speculation saves over the tokens still
 to generate exceeds the catch-up's estimated cost (pending tokens x the measured seconds per catch-up token).
+
+A proposer that mixes sources (hybrid: n-gram drafts when they match, the draft model otherwise) gets one
+sub-policy per source (`for_source`): each learns its own acceptance and draft cost and they share the
+measured verify costs, so the draft model can switch itself off while free n-gram drafts keep going.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class AdaptiveK:
     probe_overhead: float = 0.02  # probes may cost at most this share of decoding time (their draft catch-up)
     t_catchup: float = 0.0  # seconds the draft needed last time to catch up on skipped tokens
     t_catchup_token: float | None = None  # seconds per token of draft catch-up (None: not measured yet)
+    by_source: dict[str, AdaptiveK] = field(default_factory=dict, repr=False)  # sub-policies, see for_source
     _off_rounds: int = 0
     _interval: int = 0  # rounds to the next probe (probe_every, doubling while probes fail)
 
@@ -49,12 +54,29 @@ class AdaptiveK:
             self.acceptance = [self.prior_acceptance] * self.k_max
         self._interval = self.probe_every
 
+    def for_source(self, source: str | None) -> AdaptiveK:
+        """This policy (source None) or the sub-policy for one draft source, sharing the verify costs."""
+        if source is None:
+            return self
+        if source not in self.by_source:
+            self.by_source[source] = AdaptiveK(
+                k_max=self.k_max, decay=self.decay, probe_every=self.probe_every,
+                prior_acceptance=self.prior_acceptance, t_verify=self.t_verify, explore=self.explore,
+                max_probe_every=self.max_probe_every, probe_overhead=self.probe_overhead)
+        return self.by_source[source]
+
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
 
     def verify_cost(self, k: int) -> float:
-        """Measured, else linear between the measured k around it; beyond them, the slope of the nearest two,
-        never cheaper than the largest measured k above it nor dearer than the smallest below it."""
+        """Measured, else linear between the measured k around it; beyond them, the slope of the nearest two.
+        Never dearer than a measured larger k: a pass over more tokens cannot be cheaper, so a timing spike
+        in one measurement (k = 0 is measured rarely) must not tilt every decision."""
+        larger = [t for m, t in self.t_verify.items() if m > k]
+        value = self._interpolated_verify_cost(k)
+        return min(value, *larger) if larger else value
+
+    def _interpolated_verify_cost(self, k: int) -> float:
         if k in self.t_verify:
             return self.t_verify[k]
         ks = sorted(self.t_verify)
@@ -94,7 +116,7 @@ class AdaptiveK:
         best = min(range(top + 1), key=self.seconds_per_token)
         catchup = pending * self.t_catchup_token if pending and self.t_catchup_token is not None else None
         if best > 0 and catchup is not None:
-            saved = (self.t_verify[0] - self.seconds_per_token(best)) * limit
+            saved = (self.verify_cost(0) - self.seconds_per_token(best)) * limit
             if saved < catchup:
                 return 0  # catching the draft up costs more than speculating can win back in this generation
         if best == 0:
@@ -102,7 +124,7 @@ class AdaptiveK:
             # a probe makes the draft catch up on everything it skipped: space probes so that this stays under
             # probe_overhead of the plain decoding in between, and double the wait after each failed probe
             catchup = self.t_catchup if catchup is None else catchup
-            affordable = catchup / (self.probe_overhead * self.t_verify[0])
+            affordable = catchup / (self.probe_overhead * self.verify_cost(0))
             if self._off_rounds >= max(self._interval, affordable):
                 self._off_rounds = 0
                 self._interval = min(2 * self._interval, self.max_probe_every)

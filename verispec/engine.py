@@ -179,15 +179,16 @@ class SpeculativeGenerator:
         try:
             while generated < max_new_tokens:
                 limit = max_new_tokens - generated - 1 if self.proposer is not None else 0
-                if auto:
-                    pending = self.proposer.pending(seq) if hasattr(self.proposer, "pending") else 0
-                    k = self.k_policy.choose(limit, pending)
+                if auto:  # the proposer's next draft source (hybrid: n-gram or model) has its own policy
+                    source = self.proposer.next_source(seq) if hasattr(self.proposer, "next_source") else None
+                    policy = self.k_policy.for_source(source)
+                    k = policy.choose(limit, self.proposer.pending(seq) if hasattr(self.proposer, "pending") else 0)
                 else:
                     k = min(num_draft_tokens, limit)
                 before = (stats.draft_seconds, stats.target_seconds, stats.drafted, stats.prefill_seconds)
                 accepted, committed = self._round(seq, k, params, gen, stats)
                 if auto:
-                    self.k_policy.update(stats.drafted - before[2], accepted, stats.draft_seconds - before[0],
+                    policy.update(stats.drafted - before[2], accepted, stats.draft_seconds - before[0],
                                          stats.target_seconds - before[1], stats.prefill_seconds - before[3],
                                          getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0)
                 generated_ids = seq.generated

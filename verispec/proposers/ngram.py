@@ -72,8 +72,14 @@ class HybridProposer:
     def catchup_tokens(self) -> int:
         return self.model.catchup_tokens if self._last is self.model else 0
 
+    def next_source(self, seq: TokenSequence) -> str:
+        """Where the next draft would come from: 'ngram' (a confident match) or 'model'."""
+        tokens, n = find_continuation(seq.ids, 1, self.ngram.max_ngram, self.ngram.min_ngram)
+        return "ngram" if tokens and n >= self.min_confident else "model"
+
     def pending(self, seq: TokenSequence) -> int:
-        return self.model.pending(seq)
+        """The draft model's catch-up, when the next draft comes from it."""
+        return self.model.pending(seq) if self.next_source(seq) == "model" else 0
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.ngram.start(seq, params, generator)
