@@ -29,6 +29,17 @@ def test_probes_while_off_and_learns_back():
     assert policy.choose(limit=10) == 4
 
 
+def test_one_probe_recovers_from_a_slow_spell():
+    """Drafts measured during a slow spell (50x their real cost) switch drafting off; the first probe's
+    cost replaces that estimate, so drafting resumes right after it instead of after many probes."""
+    policy = AdaptiveK(k_max=4, probe_every=5, acceptance=[0.9] * 4)
+    policy.t_draft, policy.t_verify = 1.0, {0: 0.1, 1: 0.1, 4: 0.1}
+    picks = [policy.choose(limit=100) for _ in range(5)]
+    assert picks == [0, 0, 0, 0, 1]
+    policy.update(1, 1, 0.02, 0.1)
+    assert policy.t_draft == pytest.approx(0.02) and policy.choose(limit=100) == 4
+
+
 def test_plain_cost_measured_and_verify_cost_linear():
     """llama.cpp-like costs: a verify pass grows linearly with k. The policy measures plain decoding once,
     interpolates unmeasured k linearly, and turns speculation off when no k pays."""

@@ -43,6 +43,7 @@ class AdaptiveK:
     t_catchup_token: float | None = None  # seconds per token of draft catch-up (None: not measured yet)
     by_source: dict[str, AdaptiveK] = field(default_factory=dict, repr=False)  # sub-policies, see for_source
     _off_rounds: int = 0
+    _probing: bool = False  # the round just chosen is a probe
     _interval: int = 0  # rounds to the next probe (probe_every, doubling while probes fail)
 
     def __post_init__(self) -> None:
@@ -128,6 +129,7 @@ class AdaptiveK:
             if self._off_rounds >= max(self._interval, affordable):
                 self._off_rounds = 0
                 self._interval = min(2 * self._interval, self.max_probe_every)
+                self._probing = True
                 return 1
         else:
             self._off_rounds = 0
@@ -145,7 +147,10 @@ class AdaptiveK:
         self.t_verify[k] = self._ema(self.t_verify.get(k), verify_seconds)
         if k == 0:
             return
-        self.t_draft = self._ema(self.t_draft, draft_seconds / k)
+        # a probe's draft cost replaces the old estimate outright: that one may date from a slow spell (another
+        # process on the cores) that switched drafting off, and averaging it away would take many rare probes
+        self.t_draft = draft_seconds / k if self._probing else self._ema(self.t_draft, draft_seconds / k)
+        self._probing = False
         reached = min(accepted + 1, k)
         for i in range(reached):  # positions reached this round
             self.acceptance[i] = self._ema(self.acceptance[i], 1.0 if i < accepted else 0.0)
