@@ -29,12 +29,14 @@ def test_smollm2_chat_answer(capsys):
     _need("smollm2-135m-instruct")
     m = "smollm2-135m-instruct"
     common = ["--target", m, "--draft", m, "--chat", "--prompt", "What is the capital of France?",
-              "--max-new-tokens", "24", "--dtype", "fp32", "--draft-backend", "hf"]
+              "--max-new-tokens", "24", "--dtype", "fp32", "--draft-backend", "hf", "--draft-quant", "none"]
     spec = _generate(capsys, *common)
     plain = _generate(capsys, *common, "--no-speculation")
     assert "Paris" in spec["text"]
     assert spec["token_ids"] == plain["token_ids"]
-    assert spec["stats"]["acceptance_rate"] > 0.9  # the draft is the target itself
+    assert spec["stats"]["acceptance_rate"] > 0.9  # the draft is the target itself, unquantised
+    int4 = _generate(capsys, *common[:-1], "int4")
+    assert int4["token_ids"] == plain["token_ids"] and int4["draft_quant"] == "int4"
 
 
 def test_default_pair_greedy_identical_fp32(capsys):
