@@ -109,3 +109,30 @@ def test_ngram_negative_control_fails(small_vocab_target, monkeypatch):
     exact = _exact_marginals(small_vocab_target, [3, 1, 2, 3, 1], params, 3)
     counts, _ = _histograms(small_vocab_target, params, "ngram", 1000, 3)
     assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(3)) < ALPHA
+
+
+def test_hybrid_looks_up_once_per_round(monkeypatch):
+    """next_source and pending share one n-gram lookup per round (the engine asks both each round)."""
+    import torch
+
+    import verispec.proposers.ngram as ngram_module
+    from verispec.proposers import HybridProposer, NgramProposer
+    from verispec.sampling import SamplingParams
+    from verispec.sequence import TokenSequence
+
+    class NoModel:
+        def start(self, *args):
+            pass
+
+        def pending(self, seq):
+            return 7
+
+    calls = []
+    real = ngram_module.find_continuation
+    monkeypatch.setattr(ngram_module, "find_continuation", lambda *a: calls.append(1) or real(*a))
+    hybrid = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1), NoModel(), min_confident=2)
+    seq = TokenSequence([1, 2, 3, 1, 2], 16, torch.device("cpu"))
+    hybrid.start(seq, SamplingParams(), torch.Generator())
+    assert hybrid.next_source(seq) == "ngram" and hybrid.pending(seq) == 0 and len(calls) == 1
+    seq.extend([9], torch.tensor([9]))  # the next round: a fresh lookup, no match now
+    assert hybrid.next_source(seq) == "model" and hybrid.pending(seq) == 7 and len(calls) == 2

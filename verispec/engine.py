@@ -189,8 +189,8 @@ class SpeculativeGenerator:
                 accepted, committed = self._round(seq, k, params, gen, stats)
                 if auto:
                     policy.update(stats.drafted - before[2], accepted, stats.draft_seconds - before[0],
-                                         stats.target_seconds - before[1], stats.prefill_seconds - before[3],
-                                         getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0)
+                                  stats.target_seconds - before[1], stats.prefill_seconds - before[3],
+                                  getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0)
                 generated_ids = seq.generated
                 keep = self._stop_index(generated_ids, generated, stop)
                 if keep is not None:

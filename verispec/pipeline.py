@@ -26,7 +26,6 @@ from verispec.vocab import frequent_tokens, restrict_head
 
 DRAFTERS = ("model", "ngram", "hybrid")
 BACKENDS = ("hf", "llamacpp")
-DRAFT_BACKENDS = ("auto", *BACKENDS)
 LLAMA_CONTEXT = 8192  # llama.cpp context (KV cells) per model
 
 
@@ -70,16 +69,6 @@ def _check_backend(name: str) -> str:
     if name not in BACKENDS:
         raise ModelError(f"unknown backend '{name}' (use {', '.join(BACKENDS)})")
     return name
-
-
-def choose_draft_backend(draft_backend: str | None, backend: str) -> str:
-    """None or auto: the target's backend (a transformers target drafts with a transformers draft, which
-    on CPU is int4 by default: measured faster than the same draft on llama.cpp, see choose_draft_quant)."""
-    if draft_backend in (None, "auto"):
-        return backend
-    if draft_backend not in DRAFT_BACKENDS:
-        raise ModelError(f"unknown draft backend '{draft_backend}' (use {', '.join(DRAFT_BACKENDS)})")
-    return draft_backend
 
 
 def choose_draft_quant(draft_quant: str, draft_backend: str, device: torch.device) -> str:
@@ -164,7 +153,9 @@ def build_pipeline(
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     if draft_vocab < 0:
         raise ModelError(f"--draft-vocab must be >= 0 (0 = the whole vocabulary), got {draft_vocab}")
-    draft_backend = _check_backend(choose_draft_backend(draft_backend, backend))
+    # auto follows the target: a transformers target drafts with a transformers draft, int4 on the CPU
+    # (measured faster than the same draft on llama.cpp, see choose_draft_quant)
+    draft_backend = backend if draft_backend in (None, "auto") else _check_backend(draft_backend)
     draft_quant = choose_draft_quant(draft_quant, draft_backend, dev)
     if "llamacpp" in (backend, draft_backend if draft is not None else backend):
         from verispec.backends.llamacpp import import_llama_cpp

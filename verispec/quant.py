@@ -24,44 +24,55 @@ INT4_GROUP = 32  # input channels sharing one scale/offset (the kernel takes 32,
 PACKED_MAX_ROWS = 4  # larger batches use the bf16 weights (see above)
 
 
-def _dense_copy(linear: nn.Linear) -> torch.Tensor | None:
-    """The float weights kept for large batches (CPU only: elsewhere the dequantised path is used)."""
-    return linear.weight.detach().clone() if linear.weight.device.type == "cpu" else None
-
-
-class Int8Linear(nn.Module):
-    """y = x @ (scale[:, None] * w_int8).T + b, symmetric per-output-channel int8 weights."""
+class _PackedLinear(nn.Module):
+    """Shared by the int8 and int4 layers: small batches go to `_packed`, large ones (CPU) to the kept float
+    weights, then bias and shape. The float weights are the original tensor, not a copy (a tied LM head keeps
+    sharing it with the embedding)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0  # [out]
-        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.register_buffer("dense", _dense_copy(linear))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        dense = linear.weight.detach() if linear.weight.device.type == "cpu" else None
+        self.register_buffer("dense", dense)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out], no bias
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        scales = self.scales.to(x.dtype)
         if self.dense is not None and flat.shape[0] > PACKED_MAX_ROWS:
-            return F.linear(flat, self.dense, self.bias).reshape(*shape[:-1], self.out_features)
-        if x.device.type == "cpu":
-            y = torch._weight_int8pack_mm(flat, self.weight, scales)
+            y = F.linear(flat, self.dense, self.bias)
         else:
-            y = flat @ (self.weight.to(x.dtype) * scales[:, None]).T
-        if self.bias is not None:
-            y = y + self.bias
+            y = self._packed(flat)
+            if self.bias is not None:
+                y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
 
-class Int4Linear(nn.Module):
+class Int8Linear(_PackedLinear):
+    """y = x @ (scale[:, None] * w_int8).T + b, symmetric per-output-channel int8 weights."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        w = linear.weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0  # [out]
+        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        scales = self.scales.to(flat.dtype)
+        if flat.device.type == "cpu":
+            return torch._weight_int8pack_mm(flat, self.weight, scales)
+        return flat @ (self.weight.to(flat.dtype) * scales[:, None]).T
+
+
+class Int4Linear(_PackedLinear):
     """Asymmetric 4-bit weights per group of INT4_GROUP input channels: w = q * scale + low, q in 0..15."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
+        super().__init__(linear)
         w = linear.weight.detach().float()  # [out, in]
         out_f, in_f = w.shape
         groups = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
@@ -78,26 +89,14 @@ class Int4Linear(nn.Module):
         else:  # [out, in] as uint8 codes, dequantised per call
             self.register_buffer("weight", q.to(torch.uint8))
             self.register_buffer("scales_zeros", torch.stack([scale, low], dim=-1).to(dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.register_buffer("dense", _dense_copy(linear))
-        self.in_features, self.out_features = in_f, out_f
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        if self.dense is not None and flat.shape[0] > PACKED_MAX_ROWS:
-            return F.linear(flat, self.dense, self.bias).reshape(*shape[:-1], self.out_features)
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
         if self.cpu:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP,
-                                                            self.scales_zeros.to(x.dtype))
-        else:
-            scale, low = self.scales_zeros.to(x.dtype).unbind(-1)  # [out, in / G] each
-            codes = self.weight.to(x.dtype).view(self.out_features, -1, INT4_GROUP)
-            w = (codes * scale[..., None] + low[..., None]).view(self.out_features, self.in_features)
-            y = flat @ w.T
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP,
+                                                               self.scales_zeros.to(flat.dtype))
+        scale, low = self.scales_zeros.to(flat.dtype).unbind(-1)  # [out, in / G] each
+        codes = self.weight.to(flat.dtype).view(self.out_features, -1, INT4_GROUP)
+        return flat @ (codes * scale[..., None] + low[..., None]).view(self.out_features, self.in_features).T
 
 
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:

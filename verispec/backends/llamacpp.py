@@ -29,14 +29,6 @@ def import_llama_cpp():
     return llama_cpp
 
 
-def available() -> bool:
-    try:
-        import_llama_cpp()
-    except ModelError:
-        return False
-    return True
-
-
 def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

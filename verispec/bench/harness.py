@@ -62,7 +62,7 @@ def add_draft_variants(pipe: Pipeline, variants: list[str]) -> None:
     for text in variants:
         backend, quant, vocab = parse_draft_variant(text)
         found[text] = load_draft(pipe.draft_ref, backend, pipe.device, dtype, quant, vocab, pipe.tokenizer,
-                                 pipe.generator.target.vocab_size)
+                                 target.vocab_size)
 
 
 @dataclass

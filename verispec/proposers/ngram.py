@@ -59,6 +59,7 @@ class HybridProposer:
     def __init__(self, ngram: NgramProposer, model, min_confident: int = 3) -> None:
         self.ngram, self.model, self.min_confident = ngram, model, min_confident
         self._last = None
+        self._peek: tuple[int, str] | None = None  # (len(seq), next_source) of the current round
 
     @property
     def uses_model(self) -> bool:
@@ -73,15 +74,19 @@ class HybridProposer:
         return self.model.catchup_tokens if self._last is self.model else 0
 
     def next_source(self, seq: TokenSequence) -> str:
-        """Where the next draft would come from: 'ngram' (a confident match) or 'model'."""
-        tokens, n = find_continuation(seq.ids, 1, self.ngram.max_ngram, self.ngram.min_ngram)
-        return "ngram" if tokens and n >= self.min_confident else "model"
+        """Where the next draft would come from: 'ngram' (a confident match) or 'model'. One lookup per
+        round: the sequence only grows within a generation, so its length names the round."""
+        if self._peek is None or self._peek[0] != len(seq):
+            tokens, n = find_continuation(seq.ids, 1, self.ngram.max_ngram, self.ngram.min_ngram)
+            self._peek = (len(seq), "ngram" if tokens and n >= self.min_confident else "model")
+        return self._peek[1]
 
     def pending(self, seq: TokenSequence) -> int:
         """The draft model's catch-up, when the next draft comes from it."""
         return self.model.pending(seq) if self.next_source(seq) == "model" else 0
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+        self._peek = None
         self.ngram.start(seq, params, generator)
         self.model.start(seq, params, generator)
 
@@ -98,5 +103,6 @@ class HybridProposer:
             self._last.observe(seq, drafted, accepted)
 
     def reset(self) -> None:
+        self._peek = None
         self.ngram.reset()
         self.model.reset()
