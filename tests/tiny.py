@@ -46,7 +46,9 @@ def make_engine(target, draft=None, k: int = 4, eos=(), drafter: str = "model") 
     from verispec.proposers import HybridProposer, NgramProposer
 
     t = HFModel(target)
-    proposer = DraftModelProposer(HFModel(draft), t.vocab_size) if draft is not None else None
+    if draft is not None and not hasattr(draft, "rollback"):  # a transformers model, else a Model already
+        draft = HFModel(draft)
+    proposer = DraftModelProposer(draft, t.vocab_size) if draft is not None else None
     if drafter == "ngram":
         proposer = NgramProposer(max_ngram=3, min_ngram=1)
     elif drafter == "hybrid":

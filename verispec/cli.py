@@ -33,7 +33,15 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
         p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                        help="the transformers draft scores only ~N frequent tokens (q = 0 elsewhere; exactness "
                             "unaffected), e.g. 32768; 0 = all (default)")
+        _add_draft_forward_arg(p)
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
+
+
+def _add_draft_forward_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-forward", default="auto", choices=["auto", "lean", "transformers"],
+                   help="how a transformers draft runs: lean (verispec's decode path for Llama/Qwen2/Mistral: "
+                        "fused layers, preallocated cache) or transformers' own forward. auto (default): lean "
+                        "where the architecture allows")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,7 +88,7 @@ def _pipeline(args):
     target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull, args.drafter)
     drafter = args.drafter if not args.no_speculation else "model"
     return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens, drafter, args.draft_quant,
-                          args.backend, args.draft_backend, args.draft_vocab)
+                          args.backend, args.draft_backend, args.draft_vocab, args.draft_forward)
 
 
 def cmd_generate(args) -> int:
@@ -112,6 +120,7 @@ def cmd_generate(args) -> int:
             "backend": pipe.backend,
             "draft_backend": pipe.draft_backend,
             "draft_quant": pipe.draft_quant,
+            "draft_forward": pipe.draft_forward,
             "load_seconds": pipe.load_seconds,
             "stats": result.stats.to_dict(),
         }))
@@ -200,7 +209,7 @@ def cmd_bench(args) -> int:
     needs_draft = any(d != "ngram" for d in drafters) or "hf" in args.compare
     target, draft = default_refs(args.target, args.draft, True, args.pull, "model" if needs_draft else "ngram")
     pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0], "model" if needs_draft else "ngram",
-                          args.draft_quant, args.backend, args.draft_backend, args.draft_vocab)
+                          args.draft_quant, args.backend, args.draft_backend, args.draft_vocab, args.draft_forward)
     add_draft_variants(pipe, variants)
     console = _stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
@@ -228,7 +237,8 @@ def cmd_bench(args) -> int:
         "target": target, "draft": draft, "device": str(pipe.device), "dtype": args.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
-        "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab, "draft_variants": variants,
+        "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab,
+        "draft_forward": pipe.draft_forward, "draft_variants": variants,
         "backend": pipe.backend, "draft_backend": pipe.draft_backend,
     }
     report = build_report(runs, configs, meta)
@@ -363,9 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "generation always gets the bf16 draft, its library default")
     b.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="the draft scores only ~N frequent tokens (HF assisted keeps the full head)")
+    _add_draft_forward_arg(b)
     b.add_argument("--draft-variants", metavar="LIST",
                    help="more draft setups compared in the same run, e.g. llamacpp,hf-int4,hf-int4-v32768 "
-                        "(backend[-quant][-vVOCAB]); shown as model[variant] / hybrid[variant]")
+                        "(backend[-quant][-vVOCAB][-lean|-transformers]); shown as model[variant] / hybrid[variant]")
     _add_model_args(b, speculation_flags=False)
     _add_sampling_args(b)
     b.set_defaults(func=cmd_bench, max_new_tokens=128)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.backends import HFModel
+from verispec.backends.lean import LeanModel, lean_unsupported
 from verispec.engine import SpeculativeGenerator
 from verispec.loading import (
     check_same_vocabulary,
@@ -26,6 +27,7 @@ from verispec.vocab import frequent_tokens, restrict_head
 
 DRAFTERS = ("model", "ngram", "hybrid")
 BACKENDS = ("hf", "llamacpp")
+DRAFT_FORWARDS = ("auto", "lean", "transformers")
 LLAMA_CONTEXT = 8192  # llama.cpp context (KV cells) per model
 
 
@@ -40,6 +42,7 @@ class Pipeline:
     backend: str = "hf"
     draft_backend: str | None = None
     draft_quant: str = "none"
+    draft_forward: str = "none"  # a transformers draft's forward: lean or transformers
     load_seconds: dict[str, float] = field(default_factory=dict)
     extras: dict = field(default_factory=dict)  # objects a front end keeps with the models (bench references)
 
@@ -85,9 +88,13 @@ def choose_draft_quant(draft_quant: str, draft_backend: str, device: torch.devic
 
 
 def load_backend(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str = "none",
-                 head_ids: torch.Tensor | None = None):
+                 head_ids: torch.Tensor | None = None, forward: str = "transformers"):
     """(Model, EOS ids it knows of) for `ref` on `backend`; `head_ids`: score only these tokens (a reduced
-    draft vocabulary), `quant`: weight-only draft quantisation (transformers only)."""
+    draft vocabulary), `quant`: weight-only draft quantisation, `forward`: transformers' own forward or the
+    lean decode path (verispec.backends.lean; auto: lean where the architecture allows). The last three apply
+    to transformers drafts only."""
+    if forward not in DRAFT_FORWARDS:
+        raise ModelError(f"unknown draft forward '{forward}' (use {', '.join(DRAFT_FORWARDS)})")
     if backend == "llamacpp":
         from verispec.backends.llamacpp import LlamaCppModel
 
@@ -100,32 +107,46 @@ def load_backend(ref: str, backend: str, device: torch.device, dtype: torch.dtyp
         model = LlamaCppModel(resolve_gguf(ref), device, n_ctx=LLAMA_CONTEXT)
         return model, [model.llm.token_eos(), *configured_eos_ids(ref)]
     hf_model = load_model(ref, device, dtype)
+    eos = eos_token_ids(hf_model, None)
     if head_ids is not None:
         restrict_head(hf_model, head_ids)
-    hf_model = quantize_model(hf_model, quant)
-    return HFModel(hf_model), eos_token_ids(hf_model, None)
+    if forward == "auto":
+        forward = "lean" if lean_unsupported(hf_model) is None else "transformers"
+    if forward == "lean":
+        try:
+            model = LeanModel(hf_model)  # fuses the layers it needs; hf_model's other modules are dropped
+        except ValueError as exc:
+            raise ModelError(str(exc)) from exc
+        quantize_model(model.net, quant)
+        return model, eos
+    return HFModel(quantize_model(hf_model, quant)), eos
 
 
 def load_draft(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str, vocab: int,
-               tokenizer, target_vocab: int) -> DraftModelProposer:
-    """A draft-model proposer for `ref` on `backend` (transformers: `quant`, `vocab` > 0 = reduced head)."""
+               tokenizer, target_vocab: int, forward: str = "auto") -> DraftModelProposer:
+    """A draft-model proposer for `ref` on `backend` (transformers: `quant`, `vocab` > 0 = reduced head,
+    `forward` lean or transformers)."""
     head_ids = frequent_tokens(tokenizer, vocab, target_vocab) if vocab else None
-    model, _ = load_backend(ref, backend, device, dtype, quant, head_ids)
+    model, _ = load_backend(ref, backend, device, dtype, quant, head_ids, forward if backend == "hf" else "transformers")
     return DraftModelProposer(model, target_vocab)
 
 
-def parse_draft_variant(text: str) -> tuple[str, str, int]:
-    """'llamacpp', 'hf', 'hf-int4', 'hf-int8-v32768', 'hf-v16384' -> (backend, quant, vocab)."""
+def parse_draft_variant(text: str) -> tuple[str, str, int, str]:
+    """'llamacpp', 'hf', 'hf-int4', 'hf-int8-v32768', 'hf-v16384', 'hf-int4-transformers' ->
+    (backend, quant, vocab, forward)."""
     parts = text.strip().split("-")
-    backend, quant, vocab = parts[0], "none", 0
+    backend, quant, vocab, forward = parts[0], "none", 0, "auto"
     rest = parts[1:]
     if rest and rest[0] in QUANT_MODES:
         quant = rest.pop(0)
     if rest and rest[0].startswith("v") and rest[0][1:].isdigit():
         vocab = int(rest.pop(0)[1:])
-    if backend not in BACKENDS or rest or (backend == "llamacpp" and (quant != "none" or vocab)):
-        raise ModelError(f"unknown draft variant '{text}' (e.g. llamacpp, hf, hf-int4, hf-int4-v32768)")
-    return backend, quant, vocab
+    if rest and rest[0] in DRAFT_FORWARDS[1:]:
+        forward = rest.pop(0)
+    if backend not in BACKENDS or rest or (backend == "llamacpp" and (quant != "none" or vocab or forward != "auto")):
+        raise ModelError(f"unknown draft variant '{text}' (e.g. llamacpp, hf, hf-int4, hf-int4-v32768, "
+                         f"hf-int4-transformers)")
+    return backend, quant, vocab, forward
 
 
 def build_pipeline(
@@ -139,12 +160,14 @@ def build_pipeline(
     backend: str = "hf",
     draft_backend: str | None = "auto",
     draft_vocab: int = 0,
+    draft_forward: str = "auto",
 ) -> Pipeline:
     """`drafter`: model (the draft LM), ngram (prompt lookup, no draft model), hybrid (n-gram when it has a
     confident match, the draft LM otherwise). `backend` / `draft_backend`: hf (transformers) or llamacpp
     (GGUF on llama.cpp), mixed as wanted; draft_backend None or "auto" = the target's. `draft_quant`:
     none, int8, int4 or auto (see choose_draft_quant). `draft_vocab` N > 0: the draft scores only ~N
-    frequent tokens (verispec.vocab)."""
+    frequent tokens (verispec.vocab). `draft_forward`: a transformers draft runs on verispec's lean decode
+    path (auto: where the architecture allows) or on transformers' own forward."""
     if drafter not in DRAFTERS:
         raise ModelError(f"unknown drafter '{drafter}' (use {', '.join(DRAFTERS)})")
     backend = _check_backend(backend)
@@ -176,11 +199,14 @@ def build_pipeline(
     elif draft is not None:
         t0 = time.perf_counter()
         model_proposer = load_draft(draft, draft_backend, dev, dt, draft_quant, draft_vocab, tokenizer,
-                                    target_model.vocab_size)
+                                    target_model.vocab_size, draft_forward)
         times["draft"] = time.perf_counter() - t0
         proposer = HybridProposer(NgramProposer(), model_proposer) if drafter == "hybrid" else model_proposer
     eos = sorted({*eos, *eos_token_ids(None, tokenizer)})
     engine = SpeculativeGenerator(target_model, proposer, eos, num_draft_tokens)
     has_draft = draft is not None
+    forward = "none"
+    if has_draft and draft_backend == "hf":
+        forward = "lean" if isinstance(model_proposer.model, LeanModel) else "transformers"
     return Pipeline(engine, tokenizer, target, draft, dev, drafter if proposer is not None else "none", backend,
-                    draft_backend if has_draft else None, draft_quant if has_draft else "none", times)
+                    draft_backend if has_draft else None, draft_quant if has_draft else "none", forward, times)

@@ -86,15 +86,31 @@ def _filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, -math.inf)
 
 
+TOP_P_CANDIDATES = 256  # top-p looks at this many best tokens first, then 8x as many, then all
+
+
 def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest best-first prefix whose mass reaches top_p (>= 1 token), -inf elsewhere.
+
+    Sorting 151,936 logits costs ~10 ms per row on this CPU, top-256 ~0.6 ms. A nucleus decided within
+    the best K tokens (their mass reaches top_p) is exactly the one a full sort finds, so on the CPU the
+    best K are tried first and K grows only when their mass falls short. Elsewhere (CUDA) the sort is
+    cheap and checking the mass would cost a device -> host sync, so the whole row is sorted."""
     if top_p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better-ranked tokens
-    drop_sorted = mass_before >= top_p  # keeps the smallest prefix whose mass reaches top_p (>= 1 token)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, -math.inf)
+    vocab = logits.shape[-1]
+    k = min(vocab, TOP_P_CANDIDATES) if logits.device.type == "cpu" else vocab
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
+    while True:
+        best, order = torch.topk(logits, k, dim=-1)  # [n, k] best first
+        probs = (best - log_total).exp()
+        mass = probs.cumsum(dim=-1)
+        if k == vocab or bool((mass[:, -1] >= top_p).all()):
+            break
+        k = min(vocab, 8 * k)
+    keep = (mass - probs) < top_p  # mass of strictly better-ranked tokens below top_p
+    out = torch.full_like(logits, -math.inf)
+    return out.scatter_(-1, order, best.masked_fill(~keep, -math.inf))
 
 
 def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -135,5 +151,10 @@ def probs_from_logits(
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of probs [n, V] -> [n]."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token per row of probs [n, V] -> [n], by inverting the cumulative distribution in float64
+    (torch.multinomial over 151,936 entries costs ~4 ms here, this ~0.2 ms). A token with probability 0
+    is never drawn: its cumulative value equals its predecessor's, and the first value above u is taken."""
+    cdf = probs.double().cumsum(dim=-1)  # [n, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first cdf > u * total
+    return index.clamp_max(probs.shape[-1] - 1).squeeze(-1)

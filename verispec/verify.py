@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.sampling import sample
+
 # A residual whose mass is below this is numerical noise (p == q up to rounding): sample from p.
 RESIDUAL_EPS = 1e-6
 
@@ -71,7 +73,7 @@ def rejection_sample(
         final = torch.where((num_accepted == k).unsqueeze(-1), p_row, recovered)  # bonus row: p itself
     else:
         final = p_row
-    next_token = torch.multinomial(final, 1, generator=generator).squeeze(-1)  # [B]
+    next_token = sample(final, generator)  # [B]
     return num_accepted, next_token
 
 

@@ -60,9 +60,9 @@ def add_draft_variants(pipe: Pipeline, variants: list[str]) -> None:
     dtype = next(target.model.parameters()).dtype if isinstance(target, HFModel) else torch.bfloat16
     found = pipe.extras.setdefault("draft-variants", {})
     for text in variants:
-        backend, quant, vocab = parse_draft_variant(text)
+        backend, quant, vocab, forward = parse_draft_variant(text)
         found[text] = load_draft(pipe.draft_ref, backend, pipe.device, dtype, quant, vocab, pipe.tokenizer,
-                                 target.vocab_size)
+                                 target.vocab_size, forward)
 
 
 @dataclass

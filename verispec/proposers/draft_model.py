@@ -14,6 +14,7 @@ from verispec.sampling import (
     presence_rows,
     probs_from_logits,
     process_logits,
+    sample,
 )
 from verispec.sequence import TokenSequence
 
@@ -84,7 +85,7 @@ class DraftModelProposer:
                 token = process_logits(logits, params, presence).argmax(dim=-1)  # [1]
             else:
                 q = probs_from_logits(logits, params, presence)  # [1, V]
-                token = torch.multinomial(q, 1, generator=self.generator).view(1)
+                token = sample(q, self.generator)  # [1]
                 probs.append(q)
             if presence is not None:
                 presence = presence_rows(presence, token)[-1]
