@@ -2,7 +2,8 @@
 # The default configuration of the default pair (issue 6): bf16 transformers target, the 0.5B draft on
 # transformers in int4 (--draft-quant auto), cost-aware k. In the same run: plain transformers decoding (the
 # ratio base) and HF assisted generation (bf16 0.5B draft, library defaults). HumanEval, Spec-Bench, then
-# HumanEval sampled at T=0.7 / top-p 0.9. PROMPTS / PER_CATEGORY / SAMPLED_PROMPTS / MAX_NEW size the runs.
+# HumanEval and Spec-Bench sampled at T=0.7 / top-p 0.9. PROMPTS / PER_CATEGORY / SAMPLED_PROMPTS /
+# SAMPLED_PER_CATEGORY / MAX_NEW size the runs.
 # Nothing else may run on the machine meanwhile: the k policy learns costs from wall-clock time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,3 +17,5 @@ verispec bench -k auto --prompts "$data/spec_bench_question.jsonl" --per-categor
 verispec bench -k auto --temperature 0.7 --top-p 0.9 --seed 0 --compare hf \
     --prompts "$data/HumanEval.jsonl.gz" --limit "${SAMPLED_PROMPTS:-5}" --max-new-tokens "$new" \
     --json-out out/sampled_humaneval.json
+verispec bench -k auto --temperature 0.7 --top-p 0.9 --seed 0 --prompts "$data/spec_bench_question.jsonl" \
+    --per-category "${SAMPLED_PER_CATEGORY:-2}" --max-new-tokens "$new" --json-out out/sampled_spec_bench.json

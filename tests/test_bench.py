@@ -172,9 +172,11 @@ def test_parse_draft_variant():
     from verispec.models import ModelError
     from verispec.pipeline import parse_draft_variant
 
-    assert parse_draft_variant("llamacpp") == ("llamacpp", "none", 0)
-    assert parse_draft_variant("hf-int4-v32768") == ("hf", "int4", 32768)
-    assert parse_draft_variant("hf-v100") == ("hf", "none", 100)
-    for bad in ("llamacpp-int4", "hf-v", "cuda", "hf-int4-x"):
+    assert parse_draft_variant("llamacpp") == ("llamacpp", "none", 0, "auto")
+    assert parse_draft_variant("hf-int4-v32768") == ("hf", "int4", 32768, "auto")
+    assert parse_draft_variant("hf-v100") == ("hf", "none", 100, "auto")
+    assert parse_draft_variant("hf-int4-transformers") == ("hf", "int4", 0, "transformers")
+    assert parse_draft_variant("hf-lean") == ("hf", "none", 0, "lean")
+    for bad in ("llamacpp-int4", "hf-v", "cuda", "hf-int4-x", "llamacpp-lean", "hf-lean-int4"):
         with pytest.raises(ModelError):
             parse_draft_variant(bad)

@@ -87,14 +87,32 @@ def test_bad_input_is_one_line_error(pair_dirs, capsys, extra, message):
     assert message in err and "\n" not in err
 
 
-def test_int4_reduced_vocab_draft_same_ids(pair_dirs, capsys):
+@pytest.mark.parametrize("forward", ["auto", "lean", "transformers"])
+def test_int4_reduced_vocab_draft_same_ids(pair_dirs, capsys, forward):
     target, draft = pair_dirs
     common = ["--target", target, "--draft", draft, "--prompt", "Hello!", "--max-new-tokens", "24",
               "--device", "cpu"]
-    spec = _run_json(capsys, *common, "--draft-quant", "int4", "--draft-vocab", "128", "-k", "3")
+    spec = _run_json(capsys, *common, "--draft-quant", "int4", "--draft-vocab", "128", "-k", "3",
+                     "--draft-forward", forward)
     plain = _run_json(capsys, *common, "--no-speculation")
     assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted"] > 0
     assert spec["draft_backend"] == "hf"
+    assert spec["draft_forward"] == ("lean" if forward == "auto" else forward)  # a Qwen2 draft: lean by default
+
+
+def test_lean_forward_for_an_unsupported_draft_is_one_line_error(pair_dirs, tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target, _ = pair_dirs
+    tok = byte_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    common = ["--target", target, "--draft", str(tmp_path / "gpt2"), "--prompt", "Hi", "--max-new-tokens", "6"]
+    assert main(["generate", *common, "--draft-forward", "lean"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model type 'gpt2'" in err and "\n" not in err
+    assert _run_json(capsys, *common)["draft_forward"] == "transformers"  # auto falls back
 
 
 def test_default_pair_missing_says_how_to_pull(tmp_path, monkeypatch, capsys):
