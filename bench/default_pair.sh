@@ -15,7 +15,7 @@ verispec bench -k auto --compare hf --prompts "$data/HumanEval.jsonl.gz" --limit
 verispec bench -k auto --prompts "$data/spec_bench_question.jsonl" --per-category "${PER_CATEGORY:-5}" \
     --max-new-tokens "$new" --json-out out/default_spec_bench.json --plot-dir out/default_spec_bench_plots
 verispec bench -k auto --temperature 0.7 --top-p 0.9 --seed 0 --compare hf \
-    --prompts "$data/HumanEval.jsonl.gz" --limit "${SAMPLED_PROMPTS:-5}" --max-new-tokens "$new" \
+    --prompts "$data/HumanEval.jsonl.gz" --limit "${SAMPLED_PROMPTS:-20}" --max-new-tokens "$new" \
     --json-out out/sampled_humaneval.json
 verispec bench -k auto --temperature 0.7 --top-p 0.9 --seed 0 --prompts "$data/spec_bench_question.jsonl" \
-    --per-category "${SAMPLED_PER_CATEGORY:-2}" --max-new-tokens "$new" --json-out out/sampled_spec_bench.json
+    --per-category "${SAMPLED_PER_CATEGORY:-5}" --max-new-tokens "$new" --json-out out/sampled_spec_bench.json

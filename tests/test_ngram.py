@@ -136,3 +136,32 @@ def test_hybrid_looks_up_once_per_round(monkeypatch):
     assert hybrid.next_source(seq) == "ngram" and hybrid.pending(seq) == 0 and len(calls) == 1
     seq.extend([9], torch.tensor([9]))  # the next round: a fresh lookup, no match now
     assert hybrid.next_source(seq) == "model" and hybrid.pending(seq) == 7 and len(calls) == 2
+
+
+def test_ngram_names_its_source_by_match_length():
+    """Long matches, short matches and no match are separate sources for the k policy."""
+    import torch
+
+    from verispec.proposers import NgramProposer
+    from verispec.sampling import SamplingParams
+    from verispec.sequence import TokenSequence
+
+    ngram = NgramProposer(max_ngram=4, min_ngram=1, min_confident=3)
+    seq = TokenSequence([1, 2, 3, 4, 9, 1, 2, 3], 32, torch.device("cpu"))
+    ngram.start(seq, SamplingParams(), torch.Generator())
+    assert ngram.next_source(seq) == "ngram"  # [1, 2, 3] occurred before
+    seq.extend([7, 3], torch.tensor([7, 3]))
+    assert ngram.next_source(seq) == "ngram-short"  # only [3] did
+    seq.extend([8], torch.tensor([8]))
+    assert ngram.next_source(seq) == "none"
+
+
+def test_ngram_auto_keeps_a_policy_per_match_kind(models):
+    from tiny import make_engine
+
+    target, _ = models
+    prompt = [5, 6, 7, 8, 9, 10] * 8 + [3, 5]
+    plain = make_engine(target).generate(prompt, max_new_tokens=60).token_ids
+    eng = make_engine(target, k="auto", drafter="ngram")
+    assert eng.generate(prompt, max_new_tokens=60).token_ids == plain
+    assert set(eng.k_policy.by_source) <= {"ngram", "ngram-short", "none"} and "ngram" in eng.k_policy.by_source

@@ -29,16 +29,32 @@ def find_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int)
 
 
 class NgramProposer:
+    """Prompt lookup. For cost-aware k it names each round's draft source by the match it has (`next_source`):
+    long matches (>= min_confident tokens) are accepted far more often than short ones, and one spell of
+    failing short matches must not switch off the long ones (measured on llama.cpp, code editing: 0.95x with
+    one policy for all matches; hybrid, whose n-gram drafts are the long matches only, 1.43x)."""
+
     uses_model = False
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, min_confident: int = 3) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_ngram, self.min_ngram, self.min_confident = max_ngram, min_ngram, min_confident
         self.last_match = 0  # n of the last match (0: none)
+        self._peek: tuple[int, str] | None = None  # (len(seq), next_source) of the current round
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.last_match = 0
+        self._peek = None
+
+    def next_source(self, seq: TokenSequence) -> str:
+        """'ngram' (a match of at least min_confident tokens), 'ngram-short' (a shorter one) or 'none'. One
+        lookup per round: the sequence only grows within a generation, so its length names the round."""
+        if self._peek is None or self._peek[0] != len(seq):
+            tokens, n = find_continuation(seq.ids, 1, self.max_ngram, self.min_ngram)
+            source = "none" if not tokens else "ngram" if n >= self.min_confident else "ngram-short"
+            self._peek = (len(seq), source)
+        return self._peek[1]
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
         tokens, self.last_match = find_continuation(seq.ids, k, self.max_ngram, self.min_ngram)
@@ -50,6 +66,7 @@ class NgramProposer:
 
     def reset(self) -> None:
         self.last_match = 0
+        self._peek = None
 
 
 class HybridProposer:
