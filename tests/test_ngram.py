@@ -112,7 +112,7 @@ def test_ngram_negative_control_fails(small_vocab_target, monkeypatch):
 
 
 def test_hybrid_looks_up_once_per_round(monkeypatch):
-    """next_source and pending share one n-gram lookup per round (the engine asks both each round)."""
+    """next_source, pending and propose share one n-gram lookup per round (the engine asks all three)."""
     import torch
 
     import verispec.proposers.ngram as ngram_module
@@ -128,12 +128,13 @@ def test_hybrid_looks_up_once_per_round(monkeypatch):
             return 7
 
     calls = []
-    real = ngram_module.find_continuation
-    monkeypatch.setattr(ngram_module, "find_continuation", lambda *a: calls.append(1) or real(*a))
+    real = ngram_module.find_match
+    monkeypatch.setattr(ngram_module, "find_match", lambda *a: calls.append(1) or real(*a))
     hybrid = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1), NoModel(), min_confident=2)
     seq = TokenSequence([1, 2, 3, 1, 2], 16, torch.device("cpu"))
     hybrid.start(seq, SamplingParams(), torch.Generator())
     assert hybrid.next_source(seq) == "ngram" and hybrid.pending(seq) == 0 and len(calls) == 1
+    assert hybrid.propose(seq, 4).tokens.tolist() == [3, 1, 2] and len(calls) == 1
     seq.extend([9], torch.tensor([9]))  # the next round: a fresh lookup, no match now
     assert hybrid.next_source(seq) == "model" and hybrid.pending(seq) == 7 and len(calls) == 2
 

@@ -127,7 +127,7 @@ def load_draft(ref: str, backend: str, device: torch.device, dtype: torch.dtype,
     """A draft-model proposer for `ref` on `backend` (transformers: `quant`, `vocab` > 0 = reduced head,
     `forward` lean or transformers)."""
     head_ids = frequent_tokens(tokenizer, vocab, target_vocab) if vocab else None
-    model, _ = load_backend(ref, backend, device, dtype, quant, head_ids, forward if backend == "hf" else "transformers")
+    model, _ = load_backend(ref, backend, device, dtype, quant, head_ids, forward)
     return DraftModelProposer(model, target_vocab)
 
 

@@ -15,8 +15,9 @@ from verispec.sampling import SamplingParams
 from verispec.sequence import TokenSequence
 
 
-def find_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
-    """(up to k tokens that followed the latest earlier match of the longest matching suffix, its n)."""
+def find_match(tokens: list[int], max_ngram: int, min_ngram: int) -> tuple[int, int]:
+    """(index of the continuation after the latest earlier match of the longest matching suffix, its n);
+    (0, 0) when no suffix of min_ngram..max_ngram tokens occurred before with a token after it."""
     L = len(tokens)
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         suffix = tokens[L - n :]
@@ -24,8 +25,14 @@ def find_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int)
         # latest start i < L - n with tokens[i:i+n] == suffix and at least one token after the match
         for i in range(L - n - 1, -1, -1):
             if tokens[i] == first and tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k], n
-    return [], 0
+                return i + n, n
+    return 0, 0
+
+
+def find_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """(up to k tokens that followed the latest earlier match of the longest matching suffix, its n)."""
+    at, n = find_match(tokens, max_ngram, min_ngram)
+    return (tokens[at : at + k], n) if n else ([], 0)
 
 
 class NgramProposer:
@@ -41,23 +48,27 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.min_confident = max_ngram, min_ngram, min_confident
         self.last_match = 0  # n of the last match (0: none)
-        self._peek: tuple[int, str] | None = None  # (len(seq), next_source) of the current round
+        self._match: tuple[TokenSequence, int, int, int] | None = None  # (seq, len(seq), at, n) of this round
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.last_match = 0
-        self._peek = None
+        self._match = None
+
+    def match(self, seq: TokenSequence) -> tuple[int, int]:
+        """find_match on this round's sequence, looked up once per round (next_source, pending and propose
+        all ask): within a generation the sequence only grows, so the object and its length name the round."""
+        if self._match is None or self._match[0] is not seq or self._match[1] != len(seq):
+            self._match = (seq, len(seq), *find_match(seq.ids, self.max_ngram, self.min_ngram))
+        return self._match[2], self._match[3]
 
     def next_source(self, seq: TokenSequence) -> str:
-        """'ngram' (a match of at least min_confident tokens), 'ngram-short' (a shorter one) or 'none'. One
-        lookup per round: the sequence only grows within a generation, so its length names the round."""
-        if self._peek is None or self._peek[0] != len(seq):
-            tokens, n = find_continuation(seq.ids, 1, self.max_ngram, self.min_ngram)
-            source = "none" if not tokens else "ngram" if n >= self.min_confident else "ngram-short"
-            self._peek = (len(seq), source)
-        return self._peek[1]
+        """'ngram' (a match of at least min_confident tokens), 'ngram-short' (a shorter one) or 'none'."""
+        n = self.match(seq)[1]
+        return "none" if not n else "ngram" if n >= self.min_confident else "ngram-short"
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
-        tokens, self.last_match = find_continuation(seq.ids, k, self.max_ngram, self.min_ngram)
+        at, self.last_match = self.match(seq)
+        tokens = seq.ids[at : at + k] if self.last_match else []
         device = seq.buffer.device
         return Draft(torch.tensor(tokens, dtype=torch.long).to(device), None)
 
@@ -66,7 +77,7 @@ class NgramProposer:
 
     def reset(self) -> None:
         self.last_match = 0
-        self._peek = None
+        self._match = None
 
 
 class HybridProposer:
@@ -76,7 +87,6 @@ class HybridProposer:
     def __init__(self, ngram: NgramProposer, model, min_confident: int = 3) -> None:
         self.ngram, self.model, self.min_confident = ngram, model, min_confident
         self._last = None
-        self._peek: tuple[int, str] | None = None  # (len(seq), next_source) of the current round
 
     @property
     def uses_model(self) -> bool:
@@ -91,19 +101,14 @@ class HybridProposer:
         return self.model.catchup_tokens if self._last is self.model else 0
 
     def next_source(self, seq: TokenSequence) -> str:
-        """Where the next draft would come from: 'ngram' (a confident match) or 'model'. One lookup per
-        round: the sequence only grows within a generation, so its length names the round."""
-        if self._peek is None or self._peek[0] != len(seq):
-            tokens, n = find_continuation(seq.ids, 1, self.ngram.max_ngram, self.ngram.min_ngram)
-            self._peek = (len(seq), "ngram" if tokens and n >= self.min_confident else "model")
-        return self._peek[1]
+        """Where the next draft would come from: 'ngram' (a confident match) or 'model'."""
+        return "ngram" if self.ngram.match(seq)[1] >= self.min_confident else "model"
 
     def pending(self, seq: TokenSequence) -> int:
         """The draft model's catch-up, when the next draft comes from it."""
         return self.model.pending(seq) if self.next_source(seq) == "model" else 0
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        self._peek = None
         self.ngram.start(seq, params, generator)
         self.model.start(seq, params, generator)
 
@@ -120,6 +125,5 @@ class HybridProposer:
             self._last.observe(seq, drafted, accepted)
 
     def reset(self) -> None:
-        self._peek = None
         self.ngram.reset()
         self.model.reset()
