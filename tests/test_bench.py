@@ -147,6 +147,7 @@ def test_cli_bench_end_to_end(pair_dirs, tmp_path, capsys):
     assert [c["name"] for c in last["configs"]] == ["plain", "model k=2", "model k=auto", "hybrid k=2", "hybrid k=auto",
                                                     "hf assisted"]
     assert main(["bench", "--target", target, "--draft", draft, "-k", "0"]) == 2
+    assert main(["bench", "--target", target, "--draft", draft, "--repeats", "0"]) == 2
 
 
 def test_cli_bench_draft_variants_same_run(pair_dirs, tmp_path, capsys):
@@ -180,3 +181,42 @@ def test_parse_draft_variant():
     for bad in ("llamacpp-int4", "hf-v", "cuda", "hf-int4-x", "llamacpp-lean", "hf-lean-int4"):
         with pytest.raises(ModelError):
             parse_draft_variant(bad)
+
+
+def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
+    """--repeats: every configuration runs N times per prompt in alternating order; a Run pools them (summed
+    tokens, seconds, counters) and its speedup is pooled tokens/s over the pooled baseline's; one mismatching
+    repeat makes the prompt non-identical."""
+    target, draft = pair_dirs
+    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    prompts = select(load_prompts(None), per_category=1)[:2]
+    configs = [Config("verispec k=3", "spec", 3)]
+    real = harness._run_engine
+    calls = []
+
+    def recorded(pipe, ids, params, max_new, k):
+        out = real(pipe, ids, params, max_new, k)
+        calls.append(k)
+        out["seconds"] = {0: 2.0, 3: 1.0}[k] * len([c for c in calls if c == k])  # fake, distinct timings
+        if k == 3 and len([c for c in calls if c == 3]) == 5:  # corrupt one repeat (prompt 2, repeat 2)
+            out["token_ids"] = out["token_ids"][:2] + [(out["token_ids"][2] + 1) % 200] + out["token_ids"][3:]
+        return out
+
+    monkeypatch.setattr(harness, "_run_engine", recorded)
+    runs = run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=8, warmup=0, repeats=3)
+    assert calls == [0, 3, 3, 0, 0, 3] + [3, 0, 0, 3, 3, 0]  # A B, B A, ... across prompts and repeats
+    assert [(r.prompt_id, r.config, r.repeats) for r in runs] == [
+        (prompts[0].id, "plain", 3), (prompts[0].id, "verispec k=3", 3),
+        (prompts[1].id, "plain", 3), (prompts[1].id, "verispec k=3", 3)]
+    plain, spec = runs[2], runs[3]
+    assert plain.seconds == 2.0 * (4 + 5 + 6) and spec.seconds == 1.0 * (4 + 5 + 6)
+    assert plain.new_tokens == spec.new_tokens == 3 * 8
+    assert spec.speedup == pytest.approx(2.0)
+    assert spec.repeat_speedups == pytest.approx([2.0, 2.0, 2.0])
+    assert spec.rounds > 0 and sum(spec.drafted_per_position) == spec.drafted
+    assert runs[1].identical and spec.identical is False and spec.first_diff == 2
+    report = build_report(runs, configs, {})
+    overall = report["configs"][1]["overall"]
+    assert overall["repeats"] == 3 and overall["speedup_aggregate"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=8, warmup=0, repeats=0)

@@ -187,6 +187,8 @@ def cmd_bench(args) -> int:
     prompts = select(prompts, args.limit, args.per_category)
     if not prompts:
         raise ValueError("no prompts selected")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     for d in drafters:
         if d not in ("model", "ngram", "hybrid"):
@@ -228,7 +230,8 @@ def cmd_bench(args) -> int:
 
     with progress:
         task = progress.add_task("bench", total=total, last="warm-up")
-        runs = run_benchmark(pipe, prompts, configs, params, args.max_new_tokens, warmup=args.warmup, on_run=on_run)
+        runs = run_benchmark(pipe, prompts, configs, params, args.max_new_tokens, warmup=args.warmup, on_run=on_run,
+                             repeats=args.repeats)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
@@ -236,7 +239,7 @@ def cmd_bench(args) -> int:
                     "torch": torch.__version__, "device": str(pipe.device)},
         "target": target, "draft": draft, "device": str(pipe.device), "dtype": args.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
-        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
+        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "repeats": args.repeats,
         "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab,
         "draft_forward": pipe.draft_forward, "draft_variants": variants,
         "backend": pipe.backend, "draft_backend": pipe.draft_backend,
@@ -368,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json-out", help="also write the JSON document to this file")
     b.add_argument("--plot-dir", help="write PNG plots here")
     b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="runs per prompt and configuration, interleaved and pooled (total tokens / total seconds) "
+                        "before the ratio: single runs on a noisy machine swing by +-10-15%% (default 1)")
     b.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantisation of the transformers draft (auto: int4 on the CPU); HF assisted "
                         "generation always gets the bf16 draft, its library default")

@@ -82,9 +82,11 @@ class Run:
     target_seconds: float = 0.0
     draft_forwards: int = 0
     target_forwards: int = 0
-    speedup: float | None = None  # tokens/s over the baseline's on the same prompt
-    identical: bool | None = None  # greedy: token-identical to the baseline
+    speedup: float | None = None  # tokens/s over the baseline's on the same prompt (pooled over repeats)
+    identical: bool | None = None  # greedy: token-identical to the baseline (in every repeat)
     first_diff: int | None = None
+    repeats: int = 1
+    repeat_speedups: list[float] = field(default_factory=list)  # one ratio per repeat, each against its own baseline
 
     @property
     def tokens_per_second(self) -> float:
@@ -201,8 +203,14 @@ def run_benchmark(
     max_new_tokens: int,
     warmup: int = 1,
     on_run: Callable[[Run], None] | None = None,
+    repeats: int = 1,
 ) -> list[Run]:
-    """Returns one Run per (prompt, configuration), the baseline's included (config 'plain')."""
+    """Returns one Run per (prompt, configuration), the baseline's included (config 'plain'). With repeats > 1
+    every prompt runs that many times per configuration (the order flipping each time) and a Run pools them:
+    summed tokens, seconds and counters, so its speedup is total tokens/s over the baseline's total tokens/s
+    on that prompt, which averages out a noisy machine's swings that a single run cannot."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     plain = Config("plain", "plain")
     order = [plain] + [c for c in configs if c.kind != "plain"]
     proposers = proposers_for(pipe)
@@ -219,32 +227,62 @@ def run_benchmark(
             for _ in range(warmup):
                 _one(pipe, proposers, config, encoded[0], params, min(8, max_new_tokens))
     try:
-        return _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run)
+        return _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run, repeats)
     finally:
         pipe.generator.proposer, pipe.generator.k_policy = original
 
 
-def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run) -> list[Run]:
+def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run, repeats) -> list[Run]:
     runs: list[Run] = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
-        # A B A B ...: alternate the order so neither the baseline nor a configuration always runs first
-        this_order = order if i % 2 == 0 else order[::-1]
-        by_config = {}
-        for config in this_order:
-            by_config[config.name] = Run(prompt.id, prompt.category, config.name,
-                                         **_one(pipe, proposers, config, ids, params, max_new_tokens))
-        base = by_config["plain"]
+        by_config: dict[str, list[Run]] = {c.name: [] for c in order}
+        for r in range(repeats):
+            # A B A B ...: alternate the order so neither the baseline nor a configuration always runs first
+            this_order = order if (i * repeats + r) % 2 == 0 else order[::-1]
+            for config in this_order:
+                by_config[config.name].append(Run(prompt.id, prompt.category, config.name,
+                                                  **_one(pipe, proposers, config, ids, params, max_new_tokens)))
+        base_runs = by_config["plain"]
         for config in order:
-            run = by_config[config.name]
+            mine = by_config[config.name]
             if config.kind != "plain":
-                run.speedup = run.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
-                if params.greedy:
-                    run.first_diff = first_difference(run.token_ids, base.token_ids)
-                    run.identical = run.first_diff is None
+                for run, base in zip(mine, base_runs):
+                    run.speedup = run.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
+                    if params.greedy:
+                        run.first_diff = first_difference(run.token_ids, base.token_ids)
+                        run.identical = run.first_diff is None
+            run = _pooled(mine, _pooled(base_runs, None) if config.kind != "plain" else None)
             runs.append(run)
             if on_run is not None:
                 on_run(run)
     return runs
+
+
+_SUMMED = ("new_tokens", "seconds", "drafted", "accepted", "rounds", "draft_seconds", "target_seconds",
+           "draft_forwards", "target_forwards")
+
+
+def _pooled(repeats: list[Run], base: Run | None) -> Run:
+    """One Run for a prompt's repeats of one configuration: counters and times summed, per-position counts
+    added, the first repeat's tokens; identical only if every repeat was; speedup against the pooled base."""
+    if len(repeats) == 1 and base is None:
+        return repeats[0]
+    first = repeats[0]
+    pooled = Run(first.prompt_id, first.category, first.config,
+                 **{name: sum(getattr(r, name) for r in repeats) for name in _SUMMED}, token_ids=first.token_ids)
+    for name in ("accepted_per_position", "drafted_per_position"):
+        width = max(len(getattr(r, name)) for r in repeats)
+        setattr(pooled, name, [sum(getattr(r, name)[j] for r in repeats if j < len(getattr(r, name)))
+                               for j in range(width)])
+    pooled.repeats = len(repeats)
+    if base is not None:
+        pooled.repeat_speedups = [r.speedup for r in repeats if r.speedup is not None]
+        pooled.speedup = pooled.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
+        if first.identical is not None:
+            mismatched = [r for r in repeats if not r.identical]
+            pooled.identical = not mismatched
+            pooled.first_diff = mismatched[0].first_diff if mismatched else None
+    return pooled
 
 
 def _one(pipe: Pipeline, proposers: dict, config: Config, ids: list[int], params: SamplingParams, max_new: int) -> dict:

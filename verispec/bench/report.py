@@ -47,16 +47,24 @@ def _quantile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def _tokens_per_second(runs: list[Run]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(r.new_tokens for r in runs) / seconds if seconds else 0.0
+
+
 def summarize(runs: list[Run], config: Config) -> dict:
-    """Aggregate one configuration's runs (any subset: a category or all)."""
+    """Aggregate one configuration's runs (any subset: a category or all). speedup_aggregate: this
+    configuration's total tokens/s over the baseline's on the same prompts."""
     mine = [r for r in runs if r.config == config.name]
-    out: dict = {"prompts": len(mine), "new_tokens": sum(r.new_tokens for r in mine)}
-    seconds = sum(r.seconds for r in mine)
-    out["tokens_per_second"] = out["new_tokens"] / seconds if seconds else 0.0
+    out: dict = {"prompts": len(mine), "new_tokens": sum(r.new_tokens for r in mine),
+                 "repeats": max((r.repeats for r in mine), default=1)}
+    out["tokens_per_second"] = _tokens_per_second(mine)
     speedups = [r.speedup for r in mine if r.speedup is not None]
     if speedups:
+        base = _tokens_per_second([r for r in runs if r.config == "plain"])
         out.update(speedup_median=statistics.median(speedups), speedup_p25=_quantile(speedups, 0.25),
-                   speedup_p75=_quantile(speedups, 0.75), speedup_min=min(speedups), speedup_max=max(speedups))
+                   speedup_p75=_quantile(speedups, 0.75), speedup_min=min(speedups), speedup_max=max(speedups),
+                   speedup_aggregate=out["tokens_per_second"] / base if base else 0.0)
     checked = [r for r in mine if r.identical is not None]
     if checked:
         out["identity"] = {
@@ -109,8 +117,9 @@ def render_table(report: dict):
 
     backends = f" [{report.get('backend', 'hf')} <- {report.get('draft_backend') or '-'}]"
     table = Table(title=f"verispec bench: {report.get('target')} <- {report.get('draft')}{backends}  "
-                        f"({report.get('device')}, {report.get('dtype')}, {report.get('sampling')})")
-    for col in ("config", "category", "prompts", "tok/s", "speedup (median [p25-p75])", "accept", "mean len",
+                        f"({report.get('device')}, {report.get('dtype')}, {report.get('sampling')}"
+                        + (f", {report['repeats']} runs per prompt pooled" if report.get("repeats", 1) > 1 else "") + ")")
+    for col in ("config", "category", "prompts", "tok/s", "speedup (median [p25-p75])", "min", "agg.", "accept", "mean len",
                 "c", "alpha", "bound", "eff.", "identical"):
         table.add_column(escape(col), justify="left" if col in ("config", "category") else "right")
     for entry in report["configs"]:
@@ -122,6 +131,8 @@ def render_table(report: dict):
             table.add_row(
                 escape(entry["name"]) if cat == "all" else "", escape(cat), str(s["prompts"]),
                 f"{s['tokens_per_second']:.2f}", escape(speed),
+                f"{s['speedup_min']:.2f}x" if "speedup_min" in s else "-",
+                f"{s['speedup_aggregate']:.2f}x" if "speedup_aggregate" in s else "-",
                 f"{s['acceptance_rate']:.1%}" if "acceptance_rate" in s else "-",
                 f"{s['mean_accepted_length']:.2f}" if "mean_accepted_length" in s else "-",
                 f"{s['cost_ratio_c']:.3f}" if "cost_ratio_c" in s else "-",
