@@ -64,6 +64,28 @@ def test_expensive_catch_up_spaces_probes():
     assert [i for i, k in enumerate(picks) if k == 1] == [499, 999]
 
 
+def test_probe_catch_up_is_paid_by_its_own_generation():
+    """Plain rounds of earlier generations do not pay for a probe: with a 1 s catch-up and 0.1 s rounds a probe
+    needs 500 plain rounds in the same generation, so generations of 100 rounds never probe (before, the 5th
+    one did, at its start, and that prompt alone paid 1 s: ~10% of it)."""
+    policy = AdaptiveK(k_max=4, probe_every=5, acceptance=[0.0] * 4)
+    policy.t_draft, policy.t_verify = 0.3, {0: 0.1, 1: 0.2}
+    policy.update(1, 0, 0.3, 0.2, catchup_seconds=1.0, catchup_tokens=100)
+    picks = []
+    for _ in range(10):
+        policy.new_generation()
+        picks += [policy.choose(limit=100, pending=100) for _ in range(100)]
+    assert set(picks) == {0}
+    policy.new_generation()
+    long = [policy.choose(limit=1000, pending=100) for _ in range(600)]
+    assert [i for i, k in enumerate(long) if k == 1] == [499]
+    sub = policy.for_source("model")  # sub-policies start their budget over with the generation too
+    sub.t_draft, sub.t_catchup = 0.3, 1.0
+    sub._gen_off_rounds = 400
+    policy.new_generation()
+    assert sub._gen_off_rounds == 0
+
+
 def test_catch_up_must_pay_for_itself():
     """Drafting saves 0.05 s a token here; a draft 100 tokens behind at 0.01 s a catch-up token costs 1 s:
     worth it for 30 remaining tokens only when less than 1.5 s of catch-up is pending."""

@@ -16,6 +16,9 @@ A draft model that has fallen behind (a new prompt, or rounds decoded without it
 the tokens it has not seen, a one-off prefill that can cost seconds (the 0.5B on llama.cpp: ~10 ms per
 token). The policy weighs it: drafting starts only when the time speculation saves over the tokens still
 to generate exceeds the catch-up's estimated cost (pending tokens x the measured seconds per catch-up token).
+A probe's catch-up is paid out of the generation it happens in: it comes only after enough plain rounds of
+that same generation that it costs at most `probe_overhead` of them (the engine calls `new_generation`), so
+no single prompt pays for the plain rounds of the prompts before it.
 
 A proposer that mixes sources (hybrid: n-gram drafts when they match, the draft model otherwise) gets one
 sub-policy per source (`for_source`): each learns its own acceptance and draft cost and they share the
@@ -42,7 +45,8 @@ class AdaptiveK:
     t_catchup: float = 0.0  # seconds the draft needed last time to catch up on skipped tokens
     t_catchup_token: float | None = None  # seconds per token of draft catch-up (None: not measured yet)
     by_source: dict[str, AdaptiveK] = field(default_factory=dict, repr=False)  # sub-policies, see for_source
-    _off_rounds: int = 0
+    _off_rounds: int = 0  # rounds off since the last probe (across generations: spaces the probes)
+    _gen_off_rounds: int = 0  # rounds off in this generation since its last probe (pays for probe catch-ups)
     _probing: bool = False  # the round just chosen is a probe
     _interval: int = 0  # rounds to the next probe (probe_every, doubling while probes fail)
 
@@ -65,6 +69,12 @@ class AdaptiveK:
                 prior_acceptance=self.prior_acceptance, t_verify=self.t_verify, explore=self.explore,
                 max_probe_every=self.max_probe_every, probe_overhead=self.probe_overhead)
         return self.by_source[source]
+
+    def new_generation(self) -> None:
+        """A new generation starts: probe catch-ups are budgeted against its own plain rounds from here."""
+        self._gen_off_rounds = 0
+        for policy in self.by_source.values():
+            policy.new_generation()
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
@@ -122,12 +132,14 @@ class AdaptiveK:
                 return 0  # catching the draft up costs more than speculating can win back in this generation
         if best == 0:
             self._off_rounds += 1
-            # a probe makes the draft catch up on everything it skipped: space probes so that this stays under
-            # probe_overhead of the plain decoding in between, and double the wait after each failed probe
+            self._gen_off_rounds += 1
+            # a probe makes the draft catch up on everything it skipped: it waits until this generation has
+            # decoded enough plain rounds that the catch-up stays under probe_overhead of them, and at least
+            # the probe interval, which doubles after each failed probe
             catchup = self.t_catchup if catchup is None else catchup
             affordable = catchup / (self.probe_overhead * self.verify_cost(0))
-            if self._off_rounds >= max(self._interval, affordable):
-                self._off_rounds = 0
+            if self._off_rounds >= self._interval and self._gen_off_rounds >= affordable:
+                self._off_rounds = self._gen_off_rounds = 0
                 self._interval = min(2 * self._interval, self.max_probe_every)
                 self._probing = True
                 return 1

@@ -176,6 +176,8 @@ class SpeculativeGenerator:
 
         generated = 0
         auto = num_draft_tokens == "auto"
+        if auto:
+            self.k_policy.new_generation()
         try:
             while generated < max_new_tokens:
                 limit = max_new_tokens - generated - 1 if self.proposer is not None else 0

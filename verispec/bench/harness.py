@@ -87,6 +87,7 @@ class Run:
     first_diff: int | None = None
     repeats: int = 1
     repeat_speedups: list[float] = field(default_factory=list)  # one ratio per repeat, each against its own baseline
+    repeat_tokens_per_second: list[float] = field(default_factory=list)  # each repeat's own tokens/s
 
     @property
     def tokens_per_second(self) -> float:
@@ -275,6 +276,7 @@ def _pooled(repeats: list[Run], base: Run | None) -> Run:
         setattr(pooled, name, [sum(getattr(r, name)[j] for r in repeats if j < len(getattr(r, name)))
                                for j in range(width)])
     pooled.repeats = len(repeats)
+    pooled.repeat_tokens_per_second = [r.tokens_per_second for r in repeats]
     if base is not None:
         pooled.repeat_speedups = [r.speedup for r in repeats if r.speedup is not None]
         pooled.speedup = pooled.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
