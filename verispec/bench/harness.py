@@ -80,6 +80,7 @@ class Run:
     drafted_per_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the target's prompt prefill plus the draft's catch-ups
     draft_forwards: int = 0
     target_forwards: int = 0
     speedup: float | None = None  # tokens/s over the baseline's on the same prompt (pooled over repeats)
@@ -110,7 +111,8 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
         new_tokens=s.new_tokens, seconds=s.seconds, token_ids=result.token_ids, drafted=s.drafted,
         accepted=s.accepted, rounds=s.rounds, accepted_per_position=s.accepted_per_position,
         drafted_per_position=s.drafted_per_position, draft_seconds=s.draft_seconds,
-        target_seconds=s.target_seconds, draft_forwards=s.draft_forwards, target_forwards=s.target_forwards,
+        target_seconds=s.target_seconds, prefill_seconds=s.prefill_seconds, draft_forwards=s.draft_forwards,
+        target_forwards=s.target_forwards,
     )
 
 
@@ -260,7 +262,7 @@ def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_token
 
 
 _SUMMED = ("new_tokens", "seconds", "drafted", "accepted", "rounds", "draft_seconds", "target_seconds",
-           "draft_forwards", "target_forwards")
+           "prefill_seconds", "draft_forwards", "target_forwards")
 
 
 def _pooled(repeats: list[Run], base: Run | None) -> Run:
