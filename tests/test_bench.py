@@ -184,7 +184,7 @@ def test_parse_draft_variant():
 
 
 def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
-    """--repeats: every configuration runs N times per prompt in alternating order; a Run pools them (summed
+    """--repeats: every configuration runs N times per prompt, the order rotating; a Run pools them (summed
     tokens, seconds, counters) and its speedup is pooled tokens/s over the pooled baseline's; one mismatching
     repeat makes the prompt non-identical."""
     target, draft = pair_dirs
@@ -220,3 +220,27 @@ def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
     assert overall["repeats"] == 3 and overall["speedup_aggregate"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=8, warmup=0, repeats=0)
+
+
+def test_order_rotates_without_back_to_back_runs(pair_dirs, monkeypatch):
+    """With three or more configurations each block shifts the order by one: every configuration takes every
+    position equally often and none runs twice in a row (fwd/rev alternation ran the ends back to back)."""
+    target, draft = pair_dirs
+    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    prompts = select(load_prompts(None), per_category=1)[:2]
+    configs = [Config("a", "spec", 1), Config("b", "spec", 2), Config("ngram", "spec", 3, "ngram")]
+    seen = []
+
+    def fake(pipe, proposers, config, ids, params, max_new):
+        seen.append(config.name)
+        return dict(new_tokens=4, seconds=1.0, token_ids=[1, 2, 3, 4])
+
+    monkeypatch.setattr(harness, "_one", fake)
+    runs = run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=4, warmup=0, repeats=4)
+    assert len(seen) == 2 * 4 * 4 and len(runs) == 2 * 4
+    blocks = [seen[i : i + 4] for i in range(0, len(seen), 4)]
+    assert blocks[:4] == [["plain", "a", "b", "ngram"], ["a", "b", "ngram", "plain"], ["b", "ngram", "plain", "a"],
+                          ["ngram", "plain", "a", "b"]]
+    assert all(x != y for x, y in zip(seen, seen[1:]))
+    for name in ("plain", "a", "b", "ngram"):  # each position equally often
+        assert sorted(block.index(name) for block in blocks) == [0, 0, 1, 1, 2, 2, 3, 3]
