@@ -130,7 +130,7 @@ def test_hybrid_looks_up_once_per_round(monkeypatch):
     calls = []
     real = ngram_module.find_match
     monkeypatch.setattr(ngram_module, "find_match", lambda *a: calls.append(1) or real(*a))
-    hybrid = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1), NoModel(), min_confident=2)
+    hybrid = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1, min_confident=2), NoModel())
     seq = TokenSequence([1, 2, 3, 1, 2], 16, torch.device("cpu"))
     hybrid.start(seq, SamplingParams(), torch.Generator())
     assert hybrid.next_source(seq) == "ngram" and hybrid.pending(seq) == 0 and len(calls) == 1

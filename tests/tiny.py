@@ -52,7 +52,7 @@ def make_engine(target, draft=None, k: int = 4, eos=(), drafter: str = "model") 
     if drafter == "ngram":
         proposer = NgramProposer(max_ngram=3, min_ngram=1)
     elif drafter == "hybrid":
-        proposer = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1), proposer, min_confident=2)
+        proposer = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1, min_confident=2), proposer)
     return SpeculativeGenerator(t, proposer, eos_token_ids=eos, num_draft_tokens=k)
 
 

@@ -250,15 +250,18 @@ def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_token
                 by_config[config.name].append(Run(prompt.id, prompt.category, config.name,
                                                   **_one(pipe, proposers, config, ids, params, max_new_tokens)))
         base_runs = by_config["plain"]
+        pooled_base = _pooled(base_runs, None)
         for config in order:
             mine = by_config[config.name]
-            if config.kind != "plain":
+            if config.kind == "plain":
+                run = pooled_base
+            else:
                 for run, base in zip(mine, base_runs):
                     run.speedup = run.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
                     if params.greedy:
                         run.first_diff = first_difference(run.token_ids, base.token_ids)
                         run.identical = run.first_diff is None
-            run = _pooled(mine, _pooled(base_runs, None) if config.kind != "plain" else None)
+                run = _pooled(mine, pooled_base)
             runs.append(run)
             if on_run is not None:
                 on_run(run)

@@ -81,11 +81,12 @@ class NgramProposer:
 
 
 class HybridProposer:
-    """n-gram lookup when it has a confident match (a suffix of at least `min_confident` tokens), the draft
-    model otherwise. The draft model catches up on the tokens it skipped the next time it drafts."""
+    """n-gram lookup when it has a confident match (the n-gram proposer's long kind: a suffix of at least its
+    `min_confident` tokens), the draft model otherwise. The draft model catches up on the tokens it skipped
+    the next time it drafts."""
 
-    def __init__(self, ngram: NgramProposer, model, min_confident: int = 3) -> None:
-        self.ngram, self.model, self.min_confident = ngram, model, min_confident
+    def __init__(self, ngram: NgramProposer, model) -> None:
+        self.ngram, self.model = ngram, model
         self._last = None
 
     @property
@@ -102,7 +103,7 @@ class HybridProposer:
 
     def next_source(self, seq: TokenSequence) -> str:
         """Where the next draft would come from: 'ngram' (a confident match) or 'model'."""
-        return "ngram" if self.ngram.match(seq)[1] >= self.min_confident else "model"
+        return "ngram" if self.ngram.next_source(seq) == "ngram" else "model"
 
     def pending(self, seq: TokenSequence) -> int:
         """The draft model's catch-up, when the next draft comes from it."""
@@ -114,7 +115,7 @@ class HybridProposer:
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
         draft = self.ngram.propose(seq, k)
-        if self.ngram.last_match >= self.min_confident and draft.tokens.numel() > 0:
+        if self.ngram.last_match >= self.ngram.min_confident and draft.tokens.numel() > 0:
             self._last = self.ngram
             return draft
         self._last = self.model
