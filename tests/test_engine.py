@@ -10,6 +10,7 @@ from tiny import make_engine, perturbed, tiny_qwen2
 import verispec.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
+from verispec.proposers.base import Draft
 
 ALPHA = 1e-4
 
@@ -73,6 +74,67 @@ def test_repetition_penalty_greedy_identical(pair):
     assert spec.token_ids == plain.token_ids
     unpenalised = make_engine(target).generate([1, 2, 3], max_new_tokens=40)
     assert plain.token_ids != unpenalised.token_ids  # the penalty really acted
+
+
+class _Counting:
+    """A Model that records the number of tokens of every forward call."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    @property
+    def length(self) -> int:
+        return self.model.length
+
+    def forward(self, tokens, last_only=False):
+        self.calls.append(tokens.numel())
+        return self.model.forward(tokens, last_only)
+
+
+@pytest.mark.parametrize("drafter", ["none", "model", "silent"])
+def test_one_target_pass_per_round_prefill_included(pair, drafter):
+    """The prefill feeds the whole prompt and its last logits give the first token, as plain decoders do:
+    plain decoding of n tokens is n target passes (the prompt, then n - 1 single tokens), never n + 1; a
+    first round with drafts feeds only the drafts; k = auto with a drafter that never drafts is plain."""
+    from verispec.proposers import NgramProposer
+
+    class Silent(NgramProposer):  # an n-gram drafter that never finds a match
+        def propose(self, seq, k):
+            return Draft(seq.device_ids.new_empty(0), None)
+
+    target, draft = pair
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = make_engine(target).generate(prompt, max_new_tokens=12).token_ids
+    engine = make_engine(target, draft if drafter == "model" else None, k=3)
+    if drafter == "silent":
+        engine.proposer, engine.num_draft_tokens = Silent(), "auto"
+    engine.target = counting = _Counting(engine.target)
+    result = engine.generate(prompt, max_new_tokens=12)
+    assert result.token_ids == plain
+    assert counting.calls[0] == len(prompt)
+    assert result.stats.target_forwards == len(counting.calls)
+    if drafter == "model":
+        assert counting.calls[1] == 3  # the first round's drafts alone: the prefill gave their first row
+        assert result.stats.drafted > 0
+    else:
+        assert counting.calls == [len(prompt)] + [1] * 11
+        assert result.stats.drafted == 0
+
+
+def test_prefix_reuse_still_feeds_the_last_token(pair):
+    """A prompt whose every token is cached already (a repeat) still feeds its last token: its logits are
+    the first round's."""
+    target, _ = pair
+    engine = make_engine(target)
+    first = engine.generate([2, 7, 1, 8, 2, 8], max_new_tokens=6).token_ids
+    engine.target = counting = _Counting(engine.target)
+    again = engine.generate([2, 7, 1, 8, 2, 8], max_new_tokens=6).token_ids
+    assert again == first and counting.calls[0] == 1
+    longer = engine.generate([2, 7, 1, 8, 2, 8] + first[:3], max_new_tokens=3).token_ids
+    assert longer == first[3:6] and counting.calls[6] == 1
 
 
 def test_rollback_then_decode_equals_fresh(pair):

@@ -143,6 +143,30 @@ def test_missing_gguf_is_a_clear_error(tmp_path):
         resolve_gguf(str(tmp_path))
 
 
+def test_plain_decoding_evaluates_what_llama_cpp_python_does(llama, prompt, monkeypatch):
+    """verispec's plain decoding on llama.cpp makes the same evals as llama-cpp-python's: the whole prompt in
+    one, then one token each, n evals for n tokens (no extra eval of the prompt's last token)."""
+    import llama_cpp
+
+    sizes: list[int] = []
+    original = llama_cpp.llama_cpp.llama_decode
+
+    def counting(ctx, batch):
+        sizes.append(batch.n_tokens)
+        return original(ctx, batch)
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counting)
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_decode", counting)
+    n = 12
+    reference = _plain_llama_cpp(llama.llm, prompt, n)
+    theirs = sizes[:]
+    sizes.clear()
+    llama.reset()
+    ours = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=n).token_ids
+    assert ours == reference
+    assert sizes == theirs == [len(prompt)] + [1] * (n - 1)
+
+
 # -- greedy identity -----------------------------------------------------------------------------------
 
 

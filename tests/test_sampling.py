@@ -90,3 +90,20 @@ def test_sample_is_seeded():
     a = sample(probs, torch.Generator().manual_seed(7))
     b = sample(probs, torch.Generator().manual_seed(7))
     assert torch.equal(a, b)
+
+
+def test_greedy_tokens_is_torch_argmax():
+    """The CPU fast path (numpy) picks what torch.argmax picks: the first index on ties, NaN as the max."""
+    from verispec.sampling import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 151936, generator=gen)
+    logits[1, 10] = logits[1, 99] = 1e4  # a tie: the first wins
+    logits[2, :] = -math.inf
+    logits[2, 5] = logits[2, 6] = 0.0
+    logits[3, 42] = float("nan")
+    out = greedy_tokens(logits)
+    assert out.dtype == torch.long and out.device == logits.device
+    assert torch.equal(out, logits.argmax(dim=-1))
+    assert out[1].item() == 10 and out[2].item() == 5
+    assert torch.equal(greedy_tokens(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # not contiguous

@@ -148,15 +148,17 @@ class AdaptiveK:
             self._interval = self.probe_every
         return best
 
-    def update(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+    def update(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float | None,
                catchup_seconds: float = 0.0, catchup_tokens: int = 0) -> None:
         """After a round that drafted k tokens (accepted of them) and took these times (catch-up: the
-        draft's prefill of `catchup_tokens` tokens it had not seen, outside draft_seconds)."""
+        draft's prefill of `catchup_tokens` tokens it had not seen, outside draft_seconds; verify None:
+        the round's target pass was not a verify pass over k+1 tokens, e.g. the prefill gave its logits)."""
         if catchup_seconds > 0.0:
             self.t_catchup = catchup_seconds
             if catchup_tokens > 0:
                 self.t_catchup_token = self._ema(self.t_catchup_token, catchup_seconds / catchup_tokens)
-        self.t_verify[k] = self._ema(self.t_verify.get(k), verify_seconds)
+        if verify_seconds is not None:
+            self.t_verify[k] = self._ema(self.t_verify.get(k), verify_seconds)
         if k == 0:
             return
         # a probe's draft cost replaces the old estimate outright: that one may date from a slow spell (another

