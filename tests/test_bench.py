@@ -10,7 +10,7 @@ import pytest
 from tiny import save_tiny_pair
 
 import verispec.bench.harness as harness
-from verispec.bench.harness import Config, first_difference, run_benchmark
+from verispec.bench.harness import Config, balanced_orders, first_difference, run_benchmark
 from verispec.bench.loader import load_prompts, select
 from verispec.bench.report import (
     alpha_from_mean_length,
@@ -184,7 +184,7 @@ def test_parse_draft_variant():
 
 
 def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
-    """--repeats: every configuration runs N times per prompt, the order rotating; a Run pools them (summed
+    """--repeats: every configuration runs N times per prompt, the order balanced; a Run pools them (summed
     tokens, seconds, counters) and its speedup is pooled tokens/s over the pooled baseline's; one mismatching
     repeat makes the prompt non-identical."""
     target, draft = pair_dirs
@@ -222,9 +222,29 @@ def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
         run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=8, warmup=0, repeats=0)
 
 
-def test_order_rotates_without_back_to_back_runs(pair_dirs, monkeypatch):
-    """With three or more configurations each block shifts the order by one: every configuration takes every
-    position equally often and none runs twice in a row (fwd/rev alternation ran the ends back to back)."""
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_balanced_orders(n):
+    """The Williams design: every configuration in every position equally often, and every one directly after
+    every other one equally often."""
+    from collections import Counter
+
+    orders = balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n) and all(sorted(o) == list(range(n)) for o in orders)
+    for position in range(n):
+        assert len(Counter(o[position] for o in orders)) == n
+        assert len(set(Counter(o[position] for o in orders).values())) == 1
+    follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    if n > 1:
+        assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+        assert len(set(follows.values())) == 1
+
+
+def test_runs_follow_the_balanced_orders(pair_dirs, monkeypatch):
+    """Blocks (prompt after prompt, repeat after repeat) take the design's orders in turn: with 4
+    configurations and 2 prompts x 2 repeats, each configuration runs right after each other one once.
+    (Rotating one order made the baseline always follow the same configuration.)"""
+    from collections import Counter
+
     target, draft = pair_dirs
     pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
     prompts = select(load_prompts(None), per_category=1)[:2]
@@ -236,11 +256,11 @@ def test_order_rotates_without_back_to_back_runs(pair_dirs, monkeypatch):
         return dict(new_tokens=4, seconds=1.0, token_ids=[1, 2, 3, 4])
 
     monkeypatch.setattr(harness, "_one", fake)
-    runs = run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=4, warmup=0, repeats=4)
-    assert len(seen) == 2 * 4 * 4 and len(runs) == 2 * 4
+    runs = run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=4, warmup=0, repeats=2)
+    assert len(seen) == 2 * 2 * 4 and len(runs) == 2 * 4
     blocks = [seen[i : i + 4] for i in range(0, len(seen), 4)]
-    assert blocks[:4] == [["plain", "a", "b", "ngram"], ["a", "b", "ngram", "plain"], ["b", "ngram", "plain", "a"],
-                          ["ngram", "plain", "a", "b"]]
-    assert all(x != y for x, y in zip(seen, seen[1:]))
-    for name in ("plain", "a", "b", "ngram"):  # each position equally often
-        assert sorted(block.index(name) for block in blocks) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert blocks[0] == ["plain", "a", "ngram", "b"]
+    follows = Counter((x, y) for block in blocks for x, y in zip(block, block[1:]))
+    assert len(follows) == 12 and set(follows.values()) == {1}
+    for name in ("plain", "a", "b", "ngram"):
+        assert sorted(block.index(name) for block in blocks) == [0, 1, 2, 3]

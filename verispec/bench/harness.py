@@ -1,5 +1,5 @@
 """Run plain decoding (the baseline) and each speculative configuration on every prompt, interleaved in
-one process (the order rotating from prompt to prompt) so that drift on a noisy machine hits all of them alike."""
+one process (in a balanced order, see `balanced_orders`) so that drift on a noisy machine hits all of them alike."""
 
 from __future__ import annotations
 
@@ -198,6 +198,24 @@ def _run_llama(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: 
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new)
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """A Williams design over n configurations: orders in which each takes every position equally often and
+    follows every other one equally often (n orders for even n, 2n for odd n). A run can leave state behind
+    that slows or speeds the next (caches, memory another llama.cpp context touched): rotating one fixed
+    order let every configuration follow the same one every time, which confounds that carry-over with the
+    configuration itself; here it averages out."""
+    first, low, high = [0], 1, n - 1
+    for j in range(1, n):
+        if j % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    orders = [[(x + i) % n for x in first] for i in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
+
+
 def run_benchmark(
     pipe: Pipeline,
     prompts: list[Prompt],
@@ -209,7 +227,7 @@ def run_benchmark(
     repeats: int = 1,
 ) -> list[Run]:
     """Returns one Run per (prompt, configuration), the baseline's included (config 'plain'). With repeats > 1
-    every prompt runs that many times per configuration (the order rotating each time) and a Run pools them:
+    every prompt runs that many times per configuration (one block each, the orders balanced) and a Run pools them:
     summed tokens, seconds and counters, so its speedup is total tokens/s over the baseline's total tokens/s
     on that prompt, which averages out a noisy machine's swings that a single run cannot."""
     if repeats < 1:
@@ -237,16 +255,12 @@ def run_benchmark(
 
 def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run, repeats) -> list[Run]:
     runs: list[Run] = []
+    orders = balanced_orders(len(order))
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         by_config: dict[str, list[Run]] = {c.name: [] for c in order}
         for r in range(repeats):
-            # rotate the order by one each block: every configuration takes every position in turn, and (with
-            # three or more) none runs twice in a row across blocks. Forward/reverse alternation let the
-            # baseline (and the last configuration) run back to back; with it, identical work (a draft that
-            # never drafted) measured 0.97-0.98x of the baseline in 3 of 4 llama.cpp runs
-            shift = (i * repeats + r) % len(order)
-            this_order = order[shift:] + order[:shift]
-            for config in this_order:
+            # block after block, prompt after prompt, the next order of the design
+            for config in (order[j] for j in orders[(i * repeats + r) % len(orders)]):
                 by_config[config.name].append(Run(prompt.id, prompt.category, config.name,
                                                   **_one(pipe, proposers, config, ids, params, max_new_tokens)))
         base_runs = by_config["plain"]
