@@ -35,6 +35,9 @@ def test_generate_greedy_same_ids_with_and_without_speculation(pair_dirs, capsys
         assert key in spec["stats"]
     assert spec["stats"]["drafted"] > 0 and plain["stats"]["drafted"] == 0
     assert plain["stats"]["target_forwards"] == plain["stats"]["new_tokens"]
+    assert spec["num_draft_tokens"] == int(k)
+    if chat and k == "4":  # without -k: 4 on transformers (auto is the default only where llama.cpp runs)
+        assert _run_json(capsys, *common)["num_draft_tokens"] == 4
 
 
 def test_streamed_text_equals_json_text(pair_dirs, capsys):

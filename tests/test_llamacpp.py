@@ -298,9 +298,13 @@ def test_cli_generate_llamacpp(capsys):
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert spec["text"] and spec["token_ids"] == plain["token_ids"]  # (Q4_1 on llama.cpp does not say Paris)
     assert spec["backend"] == "llamacpp" and spec["draft_backend"] == "llamacpp"
+    assert spec["num_draft_tokens"] == "auto"  # a fixed k can be slower than plain decoding on llama.cpp
     assert main([*common, "--draft-backend", "llamacpp", "--dtype", "fp32"]) == 0  # mixed
     mixed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert mixed["backend"] == "hf" and mixed["draft_backend"] == "llamacpp" and "Paris" in mixed["text"]
+    assert mixed["num_draft_tokens"] == "auto"
+    assert main([*common, "--backend", "llamacpp", "-k", "3"]) == 0  # what the user asks for stands
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_draft_tokens"] == 3
 
 
 def test_cli_llamacpp_bad_inputs(capsys, tmp_path):

@@ -25,8 +25,10 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
         p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
                        help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
                             "matches confidently, else the draft LM (default model)")
-        p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=4,
-                       help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default 4)")
+        p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=None,
+                       help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default 4; auto "
+                            "when the target or the draft runs on llama.cpp, where a fixed k can be slower than "
+                            "plain decoding)")
         p.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
                        help="weight-only quantisation of the transformers draft (never the target; exactness "
                             "unaffected). auto (default): int4 on the CPU, none elsewhere")
@@ -83,11 +85,14 @@ def _sampling(args):
 def _pipeline(args):
     from verispec.pipeline import build_pipeline, default_refs
 
-    if args.num_draft_tokens != "auto" and args.num_draft_tokens < 0:
-        raise ValueError(f"--num-draft-tokens must be >= 0, got {args.num_draft_tokens}")
+    k = args.num_draft_tokens
+    if k is None:  # on llama.cpp a verify pass over k + 1 tokens costs ~1.5-3x one token: only auto is safe
+        k = "auto" if "llamacpp" in (args.backend, args.draft_backend) else 4
+    if k != "auto" and k < 0:
+        raise ValueError(f"--num-draft-tokens must be >= 0, got {k}")
     target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull, args.drafter)
     drafter = args.drafter if not args.no_speculation else "model"
-    return build_pipeline(target, draft, args.device, args.dtype, args.num_draft_tokens, drafter, args.draft_quant,
+    return build_pipeline(target, draft, args.device, args.dtype, k, drafter, args.draft_quant,
                           args.backend, args.draft_backend, args.draft_vocab, args.draft_forward)
 
 
@@ -117,6 +122,7 @@ def cmd_generate(args) -> int:
             "target": pipe.target_ref,
             "draft": pipe.draft_ref,
             "drafter": pipe.drafter,
+            "num_draft_tokens": pipe.generator.num_draft_tokens,
             "backend": pipe.backend,
             "draft_backend": pipe.draft_backend,
             "draft_quant": pipe.draft_quant,
