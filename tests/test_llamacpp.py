@@ -297,6 +297,7 @@ def test_cli_generate_llamacpp(capsys):
     assert main([*common, "--backend", "llamacpp", "--no-speculation"]) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert spec["text"] and spec["token_ids"] == plain["token_ids"]  # (Q4_1 on llama.cpp does not say Paris)
+    assert plain["num_draft_tokens"] == 0 and plain["stats"]["target_forwards"] == len(plain["token_ids"])
     assert spec["backend"] == "llamacpp" and spec["draft_backend"] == "llamacpp"
     assert spec["num_draft_tokens"] == "auto"  # a fixed k can be slower than plain decoding on llama.cpp
     assert main([*common, "--draft-backend", "llamacpp", "--dtype", "fp32"]) == 0  # mixed

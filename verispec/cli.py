@@ -85,7 +85,7 @@ def _sampling(args):
 def _pipeline(args):
     from verispec.pipeline import build_pipeline, default_refs
 
-    k = args.num_draft_tokens
+    k = 0 if args.no_speculation else args.num_draft_tokens
     if k is None:  # on llama.cpp a verify pass over k + 1 tokens costs ~1.5-3x one token: only auto is safe
         k = "auto" if "llamacpp" in (args.backend, args.draft_backend) else 4
     if k != "auto" and k < 0:
