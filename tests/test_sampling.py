@@ -107,3 +107,5 @@ def test_greedy_tokens_is_torch_argmax():
     assert torch.equal(out, logits.argmax(dim=-1))
     assert out[1].item() == 10 and out[2].item() == 5
     assert torch.equal(greedy_tokens(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # not contiguous
+    half = logits.bfloat16()  # no numpy dtype: torch's own argmax
+    assert torch.equal(greedy_tokens(half), half.argmax(dim=-1))

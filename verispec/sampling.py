@@ -142,8 +142,9 @@ def process_logits(
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dimension ([n, V] -> [n], the first index on ties, as torch.argmax), on
     logits' device. On the CPU through numpy: torch's CPU argmax over 151,936 entries costs 0.32 ms a row
-    here, numpy's 0.012 ms (a plain decoding step on llama.cpp takes ~80-120 ms: 0.3% for nothing)."""
-    if logits.device.type == "cpu":
+    here, numpy's 0.012 ms (a plain decoding step on llama.cpp takes ~80-120 ms: 0.3% for nothing). Only
+    for float32 (what process_logits returns): numpy has no bfloat16."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
 
