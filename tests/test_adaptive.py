@@ -99,6 +99,79 @@ def test_catch_up_must_pay_for_itself():
     assert policy.choose(limit=30, pending=0) == 4
 
 
+@pytest.mark.parametrize("t_verify_2, step, drafts", [(0.15, 0.05, False), (0.1, 0.01, True)],
+                         ids=["llamacpp-like", "transformers-like"])
+def test_fresh_policy_learns_costs_before_drafting(t_verify_2, step, drafts):
+    """A fresh policy verifies two free guesses first (passes of 1 and 2 tokens: plain and k = 1 costs),
+    then asks for one timed draft step, and only then decides. llama.cpp-like costs (a 2-token pass 1.5x
+    plain, a draft step half of plain): (0.05 + 0.15) / 1.6 > 0.1 a token, so it never drafts (before, it
+    drafted k_max blind, twice). Transformers-like (flat verify, a step 0.1 of plain): it drafts."""
+    policy = AdaptiveK(k_max=8)
+    assert policy.choose(limit=50) == 1 and policy.filler and not policy.wants_draft_cost()
+    policy.observe_verify(1, 0.1)  # the first round's pass feeds the guess alone: plain decoding's cost
+    assert policy.choose(limit=50) == 1 and policy.filler and not policy.wants_draft_cost()
+    policy.observe_verify(2, t_verify_2)
+    assert policy.t_verify == {0: 0.1, 1: t_verify_2} and policy.wants_draft_cost()
+    policy.observe_draft_step(step)
+    assert not policy.wants_draft_cost()
+    k = policy.choose(limit=50)
+    assert not policy.filler and (k > 0) == drafts
+    assert policy.choose(limit=0) == 0 and not policy.filler
+
+
+def test_free_drafter_after_learning_drafts_top():
+    """A source whose draft cost cannot be timed beforehand (n-gram: free) drafts k_max once the verify costs
+    are known, and learns its cost from that round."""
+    policy = AdaptiveK(k_max=6, t_verify={0: 0.1, 1: 0.12})
+    assert policy.choose(limit=50) == 6 and not policy.filler
+    assert policy.choose(limit=3) == 3
+
+
+def test_catch_up_estimated_from_the_target_prefill():
+    """Before the draft has caught up once, its catch-up is estimated as the target's prefill cost per token
+    scaled by the draft/target step ratio: 13 ms x 0.2 = 2.6 ms a token. Drafting saves 0.056 s a token here,
+    1.68 s over 30 tokens: worth 500 pending tokens (1.3 s), not 700 (1.82 s)."""
+    policy = AdaptiveK(k_max=4)
+    policy.observe_prefill(1.3, 100)
+    policy.observe_prefill(5.0, 10)  # too few tokens to say anything per token: ignored
+    assert policy.t_prefill_token == pytest.approx(0.013)
+    model = policy.for_source("model")
+    model.acceptance = [0.9] * 4
+    policy.t_verify.update({0: 0.1, 4: 0.1})
+    assert model.catchup_token_cost() is None  # the draft's step cost is not known yet
+    model.observe_draft_step(0.02)
+    assert model.catchup_token_cost() == pytest.approx(0.0026)
+    assert model.choose(limit=30, pending=500) == 4
+    assert model.choose(limit=30, pending=700) == 0
+    model.update(4, 4, 0.08, None, catchup_seconds=0.1, catchup_tokens=100)  # measured: replaces the estimate
+    assert model.catchup_token_cost() == pytest.approx(0.001) and model.choose(limit=30, pending=700) == 4
+
+
+def test_draft_model_time_step_is_part_of_its_catch_up(target):
+    """time_step feeds committed tokens the draft has not seen, one per pass: the drafts that follow are those
+    of a draft that never timed a step."""
+    from verispec.backends import HFModel
+    from verispec.proposers import DraftModelProposer
+    from verispec.sampling import SamplingParams
+    from verispec.sequence import TokenSequence
+
+    import torch
+
+    drafts = []
+    for timed in (False, True):
+        proposer = DraftModelProposer(HFModel(tiny_qwen2(3)), 64)
+        seq = TokenSequence(list(range(1, 11)), 40, torch.device("cpu"))
+        proposer.start(seq, SamplingParams(), torch.Generator())
+        if timed:
+            assert proposer.time_step(seq) > 0
+            assert proposer.model.length == 2 and proposer.pending(seq) == 7
+        drafts.append(proposer.propose(seq, 4).tokens.tolist())
+    assert drafts[0] == drafts[1]
+    short = TokenSequence([1], 40, torch.device("cpu"))
+    proposer.start(short, SamplingParams(), torch.Generator())
+    assert proposer.time_step(short) is None and proposer.model.length == 0  # nothing to spare
+
+
 def test_draft_model_reports_pending_catch_up(target):
     from verispec.backends import HFModel
     from verispec.proposers import DraftModelProposer
@@ -222,3 +295,41 @@ def test_verify_cost_never_decreases_with_k():
     policy = AdaptiveK(k_max=4, t_verify={0: 0.5, 2: 0.1, 4: 0.12})
     assert policy.verify_cost(0) == pytest.approx(0.1) and policy.verify_cost(1) == pytest.approx(0.1)
     assert policy.verify_cost(3) == pytest.approx(0.11)
+
+
+def test_engine_learns_costs_before_the_draft_runs(target):
+    """A fresh engine with k = auto: the prompt, then two filler passes (1 and 2 tokens) on the target before
+    the draft model runs at all; its first two passes are single timed steps. The output is plain decoding's."""
+    from verispec.backends import HFModel
+    from verispec.engine import SpeculativeGenerator
+    from verispec.proposers import DraftModelProposer
+
+    log = []
+
+    class Logged(HFModel):
+        def __init__(self, model, name):
+            super().__init__(model)
+            self.name = name
+
+        def forward(self, tokens, last_only=False):
+            log.append((self.name, tokens.numel()))
+            return super().forward(tokens, last_only)
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = make_engine(target).generate(prompt, max_new_tokens=30).token_ids
+    t = Logged(target, "T")
+    draft = DraftModelProposer(Logged(perturbed(target, seed=2, noise=0.05), "D"), t.vocab_size)
+    eng = SpeculativeGenerator(t, draft, num_draft_tokens="auto")
+    assert eng.generate(prompt, max_new_tokens=30).token_ids == plain
+    assert log[:5] == [("T", 8), ("T", 1), ("T", 2), ("D", 1), ("D", 1)]
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("prompt", [[7], [3, 1, 4, 1, 5], [5, 6, 7, 8, 9, 10] * 6])
+def test_fresh_auto_greedy_identical(target, drafter, prompt):
+    """Every generation from a fresh policy (filler rounds, timed steps, then drafting or not): plain's tokens."""
+    draft = perturbed(target, seed=2, noise=0.05) if drafter != "ngram" else None
+    plain = make_engine(target).generate(prompt, max_new_tokens=40).token_ids
+    for max_new in (1, 2, 3, 40):
+        eng = make_engine(target, draft, k="auto", drafter=drafter)
+        assert eng.generate(prompt, max_new_tokens=max_new).token_ids == plain[:max_new]

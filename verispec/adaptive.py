@@ -20,6 +20,16 @@ A probe's catch-up is paid out of the generation it happens in: it comes only af
 that same generation that it costs at most `probe_overhead` of them (the engine calls `new_generation`), so
 no single prompt pays for the plain rounds of the prompts before it.
 
+A fresh policy knows no costs, and drafting blind is what a learning policy must not do: on llama.cpp a
+model draft of 8 tokens and its catch-up on the prompt cost several plain tokens. So it learns the cheap way
+first. It measures plain decoding and a two-token verify pass with "filler" rounds (`filler`): the engine
+verifies one free guess (prompt lookup) instead of a draft, which is exact like any deterministic draft, so
+the first round (whose pass feeds only the drafts: one token, the cost of plain decoding) and the second
+(two tokens) measure t_verify(0) and t_verify(1) without the draft. Then, before a draft model's first
+draft, the engine times one draft step on a token of its catch-up (`wants_draft_cost`), and the catch-up
+itself is estimated from the target's prefill (seconds per prompt token, scaled by the draft/target step
+cost ratio) until one is measured. Only then does the draft model catch up, and only when it pays.
+
 A proposer that mixes sources (hybrid: n-gram drafts when they match, the draft model otherwise) gets one
 sub-policy per source (`for_source`): each learns its own acceptance and draft cost and they share the
 measured verify costs, so the draft model can switch itself off while free n-gram drafts keep going.
@@ -44,11 +54,14 @@ class AdaptiveK:
     probe_overhead: float = 0.02  # probes may cost at most this share of decoding time (their draft catch-up)
     t_catchup: float = 0.0  # seconds the draft needed last time to catch up on skipped tokens
     t_catchup_token: float | None = None  # seconds per token of draft catch-up (None: not measured yet)
+    t_prefill_token: float | None = None  # the target's prefill, seconds per prompt token (None: not measured)
+    filler: bool = False  # the round just chosen verifies a free guess, not the source's draft (learns costs)
     by_source: dict[str, AdaptiveK] = field(default_factory=dict, repr=False)  # sub-policies, see for_source
     _off_rounds: int = 0  # rounds off since the last probe (across generations: spaces the probes)
     _gen_off_rounds: int = 0  # rounds off in this generation since its last probe (pays for probe catch-ups)
     _probing: bool = False  # the round just chosen is a probe
     _interval: int = 0  # rounds to the next probe (probe_every, doubling while probes fail)
+    _root: AdaptiveK | None = field(default=None, repr=False, compare=False)  # a sub-policy's parent
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -67,7 +80,7 @@ class AdaptiveK:
             self.by_source[source] = AdaptiveK(
                 k_max=self.k_max, decay=self.decay, probe_every=self.probe_every,
                 prior_acceptance=self.prior_acceptance, t_verify=self.t_verify, explore=self.explore,
-                max_probe_every=self.max_probe_every, probe_overhead=self.probe_overhead)
+                max_probe_every=self.max_probe_every, probe_overhead=self.probe_overhead, _root=self)
         return self.by_source[source]
 
     def new_generation(self) -> None:
@@ -75,6 +88,35 @@ class AdaptiveK:
         self._gen_off_rounds = 0
         for policy in self.by_source.values():
             policy.new_generation()
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        """The target's prefill fed `tokens` prompt tokens in `seconds` (worth learning from >= 16 tokens:
+        fewer are dominated by the pass's fixed cost)."""
+        if tokens >= 16:
+            self.t_prefill_token = self._ema(self.t_prefill_token, seconds / tokens)
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        """A target pass fed `tokens` tokens (k + 1 for a verify pass over k drafts)."""
+        self.t_verify[tokens - 1] = self._ema(self.t_verify.get(tokens - 1), seconds)
+
+    def wants_draft_cost(self) -> bool:
+        """The next draft from this source should be preceded by a timed draft step (`observe_draft_step`):
+        its cost is unknown, and the verify costs it will be weighed against are known."""
+        return self.t_draft is None and 0 in self.t_verify and len(self.t_verify) > 1
+
+    def observe_draft_step(self, seconds: float) -> None:
+        self.t_draft = seconds
+
+    def catchup_token_cost(self) -> float | None:
+        """Seconds per token of the draft's catch-up: measured, else the target's prefill cost per token
+        scaled by the draft/target one-token cost ratio (measured here: within 5% on llama.cpp; a third of
+        the real cost for the int4 transformers draft, whose batched passes gain less), else unknown."""
+        if self.t_catchup_token is not None:
+            return self.t_catchup_token
+        prefill = (self._root or self).t_prefill_token
+        if prefill is None or self.t_draft is None or 0 not in self.t_verify:
+            return None
+        return prefill * self.t_draft / self.verify_cost(0)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
@@ -117,15 +159,20 @@ class AdaptiveK:
     def choose(self, limit: int, pending: int = 0) -> int:
         """k for the next round, at most min(limit, k_max); `pending`: tokens the draft must catch up on
         before it can draft (0 for drafters without a model)."""
+        self.filler = False
         top = min(limit, self.k_max)
         if top <= 0:
             return 0
-        if self.t_draft is None or not self.t_verify:
-            return top  # nothing measured yet: draft, and learn
-        if 0 not in self.t_verify:
+        if 0 not in self.t_verify and self.t_verify:
             return 0  # measure plain decoding once: it is the alternative every k is weighed against
+        if self.t_draft is None:
+            if len(self.t_verify) < 2:
+                self.filler = True  # learn t_verify(0) and t_verify(1) from free guesses, not from costly drafts
+                return 1
+            return top  # the draft's cost could not be measured beforehand (a free drafter): draft, and learn
         best = min(range(top + 1), key=self.seconds_per_token)
-        catchup = pending * self.t_catchup_token if pending and self.t_catchup_token is not None else None
+        per_token = self.catchup_token_cost()
+        catchup = pending * per_token if pending and per_token is not None else None
         if best > 0 and catchup is not None:
             saved = (self.verify_cost(0) - self.seconds_per_token(best)) * limit
             if saved < catchup:
@@ -158,7 +205,7 @@ class AdaptiveK:
             if catchup_tokens > 0:
                 self.t_catchup_token = self._ema(self.t_catchup_token, catchup_seconds / catchup_tokens)
         if verify_seconds is not None:
-            self.t_verify[k] = self._ema(self.t_verify.get(k), verify_seconds)
+            self.observe_verify(k + 1, verify_seconds)
         if k == 0:
             return
         # a probe's draft cost replaces the old estimate outright: that one may date from a slow spell (another

@@ -26,6 +26,7 @@ from verispec.adaptive import AdaptiveK
 from verispec.backends.base import Model, common_prefix_length
 from verispec.metrics import SpecStats
 from verispec.proposers.base import Proposer
+from verispec.proposers.ngram import lookup_guess
 from verispec.sampling import (
     SamplingParams,
     greedy_tokens,
@@ -91,14 +92,14 @@ class SpeculativeGenerator:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _prefill(self, seq: TokenSequence) -> torch.Tensor:
+    def _prefill(self, seq: TokenSequence) -> tuple[torch.Tensor, int]:
         """Bring the target's cache to all of seq, reusing the longest common prefix it already holds (at
-        least the last token is fed: its logits are needed). Returns them, [1, V]."""
+        least the last token is fed: its logits are needed). Returns them, [1, V], and how many tokens it fed."""
         keep = min(common_prefix_length(self._target_held, seq.ids), len(seq) - 1, self.target.length)
         self.target.rollback(keep)
         head = self.target.forward(seq.device_ids[keep:], last_only=True)
         self._target_held = seq.ids[: self.target.length]
-        return head
+        return head, len(seq) - keep
 
     def _target_rows(
         self, logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
@@ -113,12 +114,17 @@ class SpeculativeGenerator:
 
     def _round(
         self, seq: TokenSequence, k: int, params: SamplingParams, gen: torch.Generator, stats: SpecStats,
-        head: torch.Tensor | None = None,
+        head: torch.Tensor | None = None, filler: bool = False,
     ) -> tuple[int, list[int]]:
         """One propose -> verify -> commit round. Returns (accepted, committed tokens). `head`: the first
-        round's logits for the position after seq, from the prefill (the cache then holds all of seq)."""
+        round's logits for the position after seq, from the prefill (the cache then holds all of seq).
+        `filler`: verify one free guess (prompt lookup) instead of the proposer's draft; the adaptive policy
+        learns verify costs from such rounds before it pays for a draft model."""
         t0 = time.perf_counter()
-        if k > 0:
+        if filler:
+            draft_tokens = torch.tensor([lookup_guess(seq.ids)], dtype=torch.long).to(self.device)
+            draft_probs, proposed, k = None, 0, 1  # deterministic: q is one-hot on it, exact like n-gram drafts
+        elif k > 0:
             draft = self.proposer.propose(seq, k)
             draft_tokens, draft_probs = draft.tokens, draft.probs
             proposed = k
@@ -128,7 +134,7 @@ class SpeculativeGenerator:
         else:
             draft_tokens, draft_probs, proposed = seq.device_ids.new_empty(0), None, 0
         t1 = time.perf_counter()
-        catchup = getattr(self.proposer, "catchup_seconds", 0.0) if k > 0 else 0.0  # the draft's prefill
+        catchup = getattr(self.proposer, "catchup_seconds", 0.0) if proposed > 0 else 0.0  # the draft's prefill
         if head is None:
             logits = self.target.forward(torch.cat([seq.device_ids[-1:], draft_tokens]))  # [k+1, V]
             stats.target_forwards += 1
@@ -160,6 +166,20 @@ class SpeculativeGenerator:
             stats.observe(k, accepted)
         return accepted, committed
 
+    def _choose_k(self, seq: TokenSequence, limit: int, stats: SpecStats) -> tuple[AdaptiveK, int]:
+        """The policy for the proposer's next draft source (hybrid: n-gram or model, each has its own) and
+        its k. Before a draft model's first draft the policy gets one timed draft step, made on a token the
+        draft must catch up on anyway, so that the draft's cost is known before its catch-up is paid."""
+        proposer = self.proposer
+        policy = self.k_policy.for_source(proposer.next_source(seq) if hasattr(proposer, "next_source") else None)
+        if limit > 0 and policy.wants_draft_cost() and hasattr(proposer, "time_step"):
+            t0 = time.perf_counter()
+            step = proposer.time_step(seq)
+            stats.prefill_seconds += time.perf_counter() - t0  # part of the draft's catch-up
+            if step is not None:
+                policy.observe_draft_step(step)
+        return policy, policy.choose(limit, proposer.pending(seq) if hasattr(proposer, "pending") else 0)
+
     def _stop_index(self, generated: list[int], start: int, stop: StopFn | None) -> int | None:
         """Number of generated tokens to keep if a stop was hit among generated[start:], else None."""
         keep = next((i + 1 for i in range(start, len(generated)) if generated[i] in self.eos_token_ids), None)
@@ -185,31 +205,39 @@ class SpeculativeGenerator:
         max_new_tokens = min(max_new_tokens, self.target.max_length - len(prompt_ids))
         seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
         gen = make_generator(params.seed, self.device)
-        head: torch.Tensor | None = self._prefill(seq)
-        if self.proposer is not None and (num_draft_tokens == "auto" or num_draft_tokens > 0):
+        t0 = time.perf_counter()
+        head: torch.Tensor | None
+        head, fed = self._prefill(seq)
+        auto = num_draft_tokens == "auto"
+        if auto:
+            self.k_policy.observe_prefill(time.perf_counter() - t0, fed)
+        if self.proposer is not None and (auto or num_draft_tokens > 0):
             self.proposer.start(seq, params, gen)
         stats.prefill_seconds = time.perf_counter() - t_start
 
         generated = 0
-        auto = num_draft_tokens == "auto"
         if auto:
             self.k_policy.new_generation()
         try:
             while generated < max_new_tokens:
                 limit = max_new_tokens - generated - 1 if self.proposer is not None else 0
-                if auto:  # the proposer's next draft source (hybrid: n-gram or model) has its own policy
-                    source = self.proposer.next_source(seq) if hasattr(self.proposer, "next_source") else None
-                    policy = self.k_policy.for_source(source)
-                    k = policy.choose(limit, self.proposer.pending(seq) if hasattr(self.proposer, "pending") else 0)
+                filler = False
+                if auto:
+                    policy, k = self._choose_k(seq, limit, stats)
+                    filler = policy.filler
                 else:
                     k = min(num_draft_tokens, limit)
                 before = (stats.draft_seconds, stats.target_seconds, stats.drafted, stats.prefill_seconds)
-                accepted, committed = self._round(seq, k, params, gen, stats, head)
-                if auto:  # the first round's pass (k drafts, or none) is not a verify pass: its time is no cost
-                    verify = stats.target_seconds - before[1] if head is None else None
-                    policy.update(stats.drafted - before[2], accepted, stats.draft_seconds - before[0],
-                                  verify, stats.prefill_seconds - before[3],
-                                  getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0)
+                accepted, committed = self._round(seq, k, params, gen, stats, head, filler)
+                if auto:
+                    drafted = stats.drafted - before[2]
+                    width = drafted + (head is None)  # tokens the target pass fed (the first round: the drafts)
+                    if width:
+                        policy.observe_verify(width, stats.target_seconds - before[1])
+                    if not filler:
+                        policy.update(drafted, accepted, stats.draft_seconds - before[0], None,
+                                      stats.prefill_seconds - before[3],
+                                      getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0)
                 head = None
                 generated_ids = seq.generated
                 keep = self._stop_index(generated_ids, generated, stop)

@@ -35,6 +35,13 @@ def find_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int)
     return (tokens[at : at + k], n) if n else ([], 0)
 
 
+def lookup_guess(tokens: list[int], max_ngram: int = 4) -> int:
+    """One free guess at the next token: what followed the latest earlier occurrence of the longest matching
+    suffix (down to one token), else the last token again."""
+    at, n = find_match(tokens, max_ngram, 1)
+    return tokens[at] if n else tokens[-1]
+
+
 class NgramProposer:
     """Prompt lookup. For cost-aware k it names each round's draft source by the match it has (`next_source`):
     long matches (>= min_confident tokens) are accepted far more often than short ones, and one spell of
@@ -108,6 +115,10 @@ class HybridProposer:
     def pending(self, seq: TokenSequence) -> int:
         """The draft model's catch-up, when the next draft comes from it."""
         return self.model.pending(seq) if self.next_source(seq) == "model" else 0
+
+    def time_step(self, seq: TokenSequence) -> float | None:
+        """The draft model's step cost (see DraftModelProposer.time_step), when the next draft comes from it."""
+        return self.model.time_step(seq) if self.next_source(seq) == "model" else None
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.ngram.start(seq, params, generator)
