@@ -22,13 +22,14 @@ no single prompt pays for the plain rounds of the prompts before it.
 
 A fresh policy knows no costs, and drafting blind is what a learning policy must not do: on llama.cpp a
 model draft of 8 tokens and its catch-up on the prompt cost several plain tokens. So it learns the cheap way
-first. It measures plain decoding and a two-token verify pass with "filler" rounds (`filler`): the engine
-verifies one free guess (prompt lookup) instead of a draft, which is exact like any deterministic draft, so
-the first round (whose pass feeds only the drafts: one token, the cost of plain decoding) and the second
-(two tokens) measure t_verify(0) and t_verify(1) without the draft. Then, before a draft model's first
-draft, the engine times one draft step on a token of its catch-up (`wants_draft_cost`), and the catch-up
-itself is estimated from the target's prefill (seconds per prompt token, scaled by the draft/target step
-cost ratio) until one is measured. Only then does the draft model catch up, and only when it pays.
+first: plain rounds measure t_verify(0) (the first round, whose token the prefill gave, costs no pass at
+all), then a "filler" round (`filler`) measures t_verify(1): the engine verifies one free guess (prompt
+lookup) instead of a draft, exact like any deterministic draft. Then, before a draft model's first draft,
+the engine times one draft step on a token of its catch-up (`wants_draft_cost`), and the catch-up itself is
+estimated from the target's prefill (seconds per prompt token, scaled by the draft/target step cost ratio)
+until one is measured. Only then does the draft model catch up, and only when it pays. On llama.cpp, where
+the model draft does not pay, the learning costs about half a plain pass for the filler (less what its
+guess wins) and one draft step; drafting k_max blind, twice, cost the catch-up and 16 draft steps.
 
 A proposer that mixes sources (hybrid: n-gram drafts when they match, the draft model otherwise) gets one
 sub-policy per source (`for_source`): each learns its own acceptance and draft cost and they share the
@@ -163,11 +164,11 @@ class AdaptiveK:
         top = min(limit, self.k_max)
         if top <= 0:
             return 0
-        if 0 not in self.t_verify and self.t_verify:
+        if 0 not in self.t_verify:
             return 0  # measure plain decoding once: it is the alternative every k is weighed against
         if self.t_draft is None:
             if len(self.t_verify) < 2:
-                self.filler = True  # learn t_verify(0) and t_verify(1) from free guesses, not from costly drafts
+                self.filler = True  # learn t_verify(1) from a free guess, not from a costly draft
                 return 1
             return top  # the draft's cost could not be measured beforehand (a free drafter): draft, and learn
         best = min(range(top + 1), key=self.seconds_per_token)

@@ -67,11 +67,13 @@ class DraftModelProposer:
         behind = len(seq) - self.model.length
         return behind - 1 if behind > 2 else 0
 
-    def time_step(self, seq: TokenSequence, steps: int = 2) -> float | None:
+    def time_step(self, seq: TokenSequence, steps: int = 1) -> float | None:
         """Seconds of one draft forward over one token: the fastest of `steps` single-token passes over
         committed tokens the draft has not seen (its catch-up would feed them anyway, so they are not
-        wasted; the fastest, because a model's first call can be slow). None when fewer than two tokens
-        are pending (the next draft then feeds them itself)."""
+        wasted, but each costs about a draft step more than within the batched catch-up). A model's first
+        call can be slow; an estimate too high only delays drafting until the policy's next probe, which
+        measures the cost afresh. None when fewer than two tokens are pending (the next draft then feeds
+        them itself)."""
         times = []
         for _ in range(steps):
             at = self.model.length
