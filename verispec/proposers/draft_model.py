@@ -67,25 +67,22 @@ class DraftModelProposer:
         behind = len(seq) - self.model.length
         return behind - 1 if behind > 2 else 0
 
-    def time_step(self, seq: TokenSequence, steps: int = 1) -> float | None:
-        """Seconds of one draft forward over one token: the fastest of `steps` single-token passes over
-        committed tokens the draft has not seen (its catch-up would feed them anyway, so they are not
-        wasted, but each costs about a draft step more than within the batched catch-up). A model's first
-        call can be slow; an estimate too high only delays drafting until the policy's next probe, which
-        measures the cost afresh. None when fewer than two tokens are pending (the next draft then feeds
-        them itself)."""
-        times = []
-        for _ in range(steps):
-            at = self.model.length
-            if len(seq) - at < 2:
-                break
-            t0 = time.perf_counter()
-            logits = self.model.forward(seq.device_ids[at : at + 1], last_only=True)
-            if logits.device.type == "cuda":
-                torch.cuda.synchronize(logits.device)  # a one-off measurement: wait for the kernels
-            times.append(time.perf_counter() - t0)
+    def time_step(self, seq: TokenSequence) -> float | None:
+        """Seconds of one draft forward over one token: a single-token pass over the first committed token the
+        draft has not seen (its catch-up would feed it anyway, so it is not wasted, but it costs about a draft
+        step more than within the batched catch-up). A model's first call can be slow; an estimate too high
+        only delays drafting until the policy's next probe, which measures the cost afresh. None when fewer
+        than two tokens are pending (the next draft then feeds them itself)."""
+        at = self.model.length
+        if len(seq) - at < 2:
+            return None
+        t0 = time.perf_counter()
+        logits = self.model.forward(seq.device_ids[at : at + 1], last_only=True)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # a one-off measurement: wait for the kernels
+        seconds = time.perf_counter() - t0
         self._held_seq, self._held_len = seq, self.model.length
-        return min(times) if times else None
+        return seconds
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
         params = self.params
