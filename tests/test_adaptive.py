@@ -353,3 +353,100 @@ def test_fresh_auto_greedy_identical(target, drafter, prompt):
     for max_new in (1, 2, 3, 40):
         eng = make_engine(target, draft, k="auto", drafter=drafter)
         assert eng.generate(prompt, max_new_tokens=max_new).token_ids == plain[:max_new]
+
+
+def test_a_thin_predicted_gain_is_not_enough():
+    """Speculation must be predicted to save at least `margin` (5%) of plain decoding's cost per token: a 3%
+    predicted gain is within the noise of the measurements it comes from, so it decodes plainly."""
+    policy = AdaptiveK(k_max=1, acceptance=[0.9])
+    policy.t_verify = {0: 0.1, 1: 0.1}
+    policy.t_draft = 1.9 * 0.97 * 0.1 - 0.1  # k = 1: 1.9 tokens for (t_draft + 0.1) s, 0.97 of plain's cost
+    assert policy.seconds_per_token(1) == pytest.approx(0.097)
+    assert policy.choose(limit=50) == 0
+    policy.t_draft = 1.9 * 0.90 * 0.1 - 0.1  # a 10% gain: draft
+    assert policy.choose(limit=50) == 1
+    policy.margin = 0.0
+    policy.t_draft = 1.9 * 0.97 * 0.1 - 0.1
+    assert policy.choose(limit=50) == 1
+
+
+def drafting_policy():
+    """Estimates say k = 4 saves 40%: 0.9 acceptance, free drafts, verify flat at plain's 0.1 s."""
+    policy = AdaptiveK(k_max=4, probe_every=5, acceptance=[0.9] * 4)
+    policy.t_draft, policy.t_verify = 0.0, {0: 0.1, 4: 0.1}
+    return policy
+
+
+def test_measured_losses_bench_the_source_until_a_probe():
+    """Rounds that the estimates call cheap but that take 0.6 s for their 5 tokens (plain: 0.5 s; an unseen
+    cost, say slow rollbacks) bench the source after judge_after = 4 rounds: plain decoding, whatever the
+    estimates say, until a probe. The probe interval backs off (5 -> 10) and the probe judges afresh."""
+    policy = drafting_policy()
+    picks = []
+    for _ in range(30):
+        k = policy.choose(limit=100)
+        picks.append(k)
+        if k:
+            policy.update(k, k, 0.0, None, round_seconds=0.6 if k == 4 else 0.1, plain_tokens=k + 1)
+    assert picks[:4] == [4] * 4 and picks[4:13] == [0] * 9 and picks[13] == 1  # a probe after 10 rounds
+    assert picks[14:18] == [4] * 4 and picks[18] == 0  # the probe's k = 1 round looked fine: judged again
+    assert policy._benched and policy._interval >= 20
+
+
+def test_one_bad_round_in_a_saving_spell_does_not_bench():
+    """A spell that saves on the whole (0.3 s for 5 tokens; now and then a rejected round costs 0.3 s for 1
+    token) keeps drafting: it is the running mean that is judged, not a round."""
+    policy = drafting_policy()
+    picks = []
+    for i in range(40):
+        k = policy.choose(limit=100)
+        picks.append(k)
+        accepted = 0 if i % 5 == 3 else k
+        policy.update(k, accepted, 0.0, None, round_seconds=0.3, plain_tokens=accepted + 1)
+    assert set(picks) == {4} and not policy._benched
+
+
+def test_saving_judged_against_plain_passes_not_tokens():
+    """The first round's first token comes from the prefill's logits: plain decoding pays no pass for it, so
+    that round's saving counts only the passes plain decoding would have made (plain_tokens = accepted)."""
+    policy = drafting_policy()
+    policy.judge_after = 1
+    policy.update(4, 4, 0.0, None, round_seconds=0.45, plain_tokens=4)  # 4 passes: 0.4 s < 0.45 s, a loss
+    assert policy._benched
+    policy = drafting_policy()
+    policy.judge_after = 1
+    policy.update(4, 4, 0.0, None, round_seconds=0.45, plain_tokens=5)
+    assert not policy._benched
+
+
+def test_engine_benches_a_draft_with_costs_the_estimates_miss(target):
+    """A target pass that takes 20 ms, a draft that agrees with it at ~1 ms a step, but whose rollback after
+    every round costs 0.3 s, more than a round of 9 tokens saves: the estimates (draft steps, verify passes)
+    keep predicting a win, the measured rounds bench the draft after judge_after rounds. Output: plain's."""
+    import time
+
+    from verispec.backends import HFModel
+    from verispec.engine import SpeculativeGenerator
+    from verispec.proposers import DraftModelProposer
+
+    class SlowTarget(HFModel):
+        def forward(self, tokens, last_only=False):
+            time.sleep(0.02)
+            return super().forward(tokens, last_only)
+
+    class SlowRollback(DraftModelProposer):
+        def observe(self, seq, drafted, accepted):
+            time.sleep(0.3)
+            super().observe(seq, drafted, accepted)
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = make_engine(target).generate(prompt, max_new_tokens=50).token_ids
+    eng = SpeculativeGenerator(SlowTarget(target), SlowRollback(HFModel(target), target.config.vocab_size),
+                               num_draft_tokens="auto")
+    rounds = []
+    real = eng._round
+    eng._round = lambda seq, k, *a: rounds.append(k) or real(seq, k, *a)
+    assert eng.generate(prompt, max_new_tokens=50).token_ids == plain
+    policy = eng.k_policy
+    assert policy._benched and sum(k > 0 for k in rounds) == 1 + policy.judge_after  # the filler, 4 judged rounds
+    assert rounds[-1] == 0 and policy.choose(limit=10) == 0

@@ -33,6 +33,16 @@ until one is measured. Only then does the draft model catch up, and only when it
 the model draft does not pay, the learning costs about half a plain pass for the filler (less what its
 guess wins) and one draft step; drafting k_max blind, twice, cost the catch-up and 16 draft steps.
 
+Every input to that choice is a noisy measurement (one-token evals here swing +-5% from one minute to the
+next) and acceptance is learned across prompts, so a predicted gain of a few percent is as often a loss. Two
+guards keep speculation from losing to plain decoding where it cannot be told from noise. A draft must be
+predicted to save at least `margin` of plain decoding's cost per token. And once drafting, each round's
+realised saving is measured: plain decoding's cost of the tokens the round emitted minus the round's wall
+time (drafting, verifying, rolling both caches back: costs the estimates do not all see; a catch-up, paid
+once, is not counted). When its running (exponentially weighted) mean is negative after `judge_after`
+rounds, the source is benched, decoding plainly until its next probe whatever the estimates say, and its
+probes back off as failed ones do.
+
 A proposer that mixes sources (hybrid: n-gram drafts when they match, the draft model otherwise) gets one
 sub-policy per source (`for_source`): each learns its own acceptance and draft cost and they share the
 measured verify costs, so the draft model can switch itself off while free n-gram drafts keep going.
@@ -59,11 +69,17 @@ class AdaptiveK:
     t_catchup_token: float | None = None  # seconds per token of draft catch-up (None: not measured yet)
     t_prefill_token: float | None = None  # the target's prefill, seconds per prompt token (None: not measured)
     filler: bool = False  # the round just chosen verifies a free guess, not the source's draft (learns costs)
+    margin: float = 0.05  # a draft must be predicted to save this share of plain decoding's cost per token
+    judge_after: int = 4  # rounds of drafting before their measured saving can bench the source
     by_source: dict[str, AdaptiveK] = field(default_factory=dict, repr=False)  # sub-policies, see for_source
     _off_rounds: int = 0  # rounds off since the last probe (across generations: spaces the probes)
     _gen_off_rounds: int = 0  # rounds off in this generation since its last probe (pays for probe catch-ups)
     _probing: bool = False  # the round just chosen is a probe
     _interval: int = 0  # rounds to the next probe (probe_every, doubling while probes fail)
+    _saving: float | None = None  # running mean of the seconds each drafting round saved (None: none since probe)
+    _judged: int = 0  # drafting rounds in _saving
+    _benched: bool = False  # drafting measured a loss: plain decoding until the next probe
+    _bench_interval: int = 0  # the probe interval after a benching (doubles with each, reset by a saving spell)
     _root: AdaptiveK | None = field(default=None, repr=False, compare=False)  # a sub-policy's parent
 
     def __post_init__(self) -> None:
@@ -73,7 +89,7 @@ class AdaptiveK:
             raise ValueError(f"decay must be in (0, 1), got {self.decay}")
         if not self.acceptance:
             self.acceptance = [self.prior_acceptance] * self.k_max
-        self._interval = self.probe_every
+        self._interval = self._bench_interval = self.probe_every
 
     def for_source(self, source: str | None) -> AdaptiveK:
         """This policy (source None) or the sub-policy for one draft source, sharing the verify costs."""
@@ -83,7 +99,8 @@ class AdaptiveK:
             self.by_source[source] = AdaptiveK(
                 k_max=self.k_max, decay=self.decay, probe_every=self.probe_every,
                 prior_acceptance=self.prior_acceptance, t_verify=self.t_verify, explore=self.explore,
-                max_probe_every=self.max_probe_every, probe_overhead=self.probe_overhead, _root=self)
+                max_probe_every=self.max_probe_every, probe_overhead=self.probe_overhead, margin=self.margin,
+                judge_after=self.judge_after, _root=self)
         return self.by_source[source]
 
     def new_generation(self) -> None:
@@ -162,6 +179,8 @@ class AdaptiveK:
                 return 1
             return top  # the draft's cost could not be measured beforehand (a free drafter): draft, and learn
         best = min(range(top + 1), key=self.seconds_per_token)
+        if self._benched or self.seconds_per_token(best) > (1.0 - self.margin) * self.verify_cost(0):
+            best = 0
         per_token = self.catchup_token_cost()
         catchup = pending * per_token if pending and per_token is not None else None
         if best > 0 and catchup is not None:
@@ -180,6 +199,7 @@ class AdaptiveK:
                 self._off_rounds = self._gen_off_rounds = 0
                 self._interval = min(2 * self._interval, self.max_probe_every)
                 self._probing = True
+                self._benched, self._saving, self._judged = False, None, 0  # the probe judges afresh
                 return 1
         else:
             self._off_rounds = 0
@@ -187,10 +207,14 @@ class AdaptiveK:
         return best
 
     def update(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float | None,
-               catchup_seconds: float = 0.0, catchup_tokens: int = 0) -> None:
+               catchup_seconds: float = 0.0, catchup_tokens: int = 0, round_seconds: float | None = None,
+               plain_tokens: int | None = None) -> None:
         """After a round that drafted k tokens (accepted of them) and took these times (catch-up: the
         draft's prefill of `catchup_tokens` tokens it had not seen, outside draft_seconds; verify None:
-        the round's target pass was not a verify pass over k+1 tokens, e.g. the prefill gave its logits)."""
+        the round's target pass was not a verify pass over k+1 tokens, e.g. the prefill gave its logits).
+        `round_seconds`: the round's drafting and target time, catch-up excluded, and `plain_tokens`: how
+        many target passes plain decoding would have made for its tokens (accepted + 1, one less in the
+        first round, whose first token the prefill gave); with them the round's saving is judged."""
         if catchup_seconds > 0.0:
             self.t_catchup = catchup_seconds
             if catchup_tokens > 0:
@@ -202,6 +226,8 @@ class AdaptiveK:
         # a probe's draft cost replaces the old estimate outright: that one may date from a slow spell (another
         # process on the cores) that switched drafting off, and averaging it away would take many rare probes
         self.t_draft = draft_seconds / k if self._probing else self._ema(self.t_draft, draft_seconds / k)
+        if round_seconds is not None and not self._probing and 0 in self.t_verify:
+            self._judge((accepted + 1 if plain_tokens is None else plain_tokens) * self.verify_cost(0) - round_seconds)
         self._probing = False
         reached = min(accepted + 1, k)
         for i in range(reached):  # positions reached this round
@@ -210,3 +236,17 @@ class AdaptiveK:
         # stick; let each drift towards the one before it so that deeper drafts get tried again.
         for i in range(max(k, 1), self.k_max):
             self.acceptance[i] += self.explore * (self.acceptance[i - 1] - self.acceptance[i])
+
+    def _judge(self, saved: float) -> None:
+        """One drafting round saved `saved` seconds over plain decoding (negative: lost). A probe's round is
+        not judged: k = 1 rarely pays on its own, it measures acceptance."""
+        self._judged += 1
+        self._saving = saved if self._saving is None else self._ema(self._saving, saved)
+        if self._judged < self.judge_after:
+            return
+        if self._saving >= 0.0:
+            self._bench_interval = self.probe_every
+        elif not self._benched:  # back off like failed probes do: a source that keeps losing is probed rarely
+            self._benched = True
+            self._bench_interval = min(2 * self._bench_interval, self.max_probe_every)
+            self._interval, self._off_rounds = self._bench_interval, 0

@@ -228,16 +228,19 @@ class SpeculativeGenerator:
                 else:
                     k = min(num_draft_tokens, limit)
                 before = (stats.draft_seconds, stats.target_seconds, stats.drafted, stats.prefill_seconds)
+                t_round = time.perf_counter()
                 accepted, committed = self._round(seq, k, params, gen, stats, head, filler)
+                t_round = time.perf_counter() - t_round  # all of it: drafting, verifying, both rollbacks
                 if auto:
                     drafted = stats.drafted - before[2]
                     width = drafted + (head is None)  # tokens the target pass fed (the first round: the drafts)
                     if width:
                         policy.observe_verify(width, stats.target_seconds - before[1])
                     if not filler:
-                        policy.update(drafted, accepted, stats.draft_seconds - before[0], None,
-                                      stats.prefill_seconds - before[3],
-                                      getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0)
+                        catchup = stats.prefill_seconds - before[3]
+                        policy.update(drafted, accepted, stats.draft_seconds - before[0], None, catchup,
+                                      getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0,
+                                      round_seconds=t_round - catchup, plain_tokens=accepted + (head is None))
                 head = None
                 generated_ids = seq.generated
                 keep = self._stop_index(generated_ids, generated, stop)
