@@ -212,7 +212,7 @@ class AdaptiveK:
         """After a round that drafted k tokens (accepted of them) and took these times (catch-up: the
         draft's prefill of `catchup_tokens` tokens it had not seen, outside draft_seconds; verify None:
         the round's target pass was not a verify pass over k+1 tokens, e.g. the prefill gave its logits).
-        `round_seconds`: the round's drafting and target time, catch-up excluded, and `plain_tokens`: how
+        `round_seconds`: the round's wall time (drafting, verifying, rollbacks), catch-up excluded; `plain_tokens`: how
         many target passes plain decoding would have made for its tokens (accepted + 1, one less in the
         first round, whose first token the prefill gave); with them the round's saving is judged."""
         if catchup_seconds > 0.0:
