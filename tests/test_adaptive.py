@@ -12,7 +12,7 @@ def test_expected_tokens_and_choice():
     policy = AdaptiveK(k_max=4, acceptance=[0.9, 0.8, 0.5, 0.1])
     assert policy.expected_tokens(0) == 1.0
     assert policy.expected_tokens(2) == pytest.approx(1 + 0.9 + 0.72)
-    policy.t_draft, policy.t_verify = 0.0, {0: 1.0}  # free drafts: draft as many as allowed
+    policy.t_draft, policy.t_verify = 0.0, {0: 1.0, 4: 1.0}  # free drafts: draft as many as allowed
     assert policy.choose(limit=10) == 4 and policy.choose(limit=2) == 2 and policy.choose(limit=0) == 0
     policy.t_draft = 10.0  # drafts cost far more than they save: plain decoding
     assert policy.choose(limit=10) == 0
@@ -64,11 +64,29 @@ def test_plain_cost_measured_and_unmeasured_k_explored():
 def test_small_measured_k_does_not_cap_k():
     """Only k = 0 and 1 measured (a short first generation), llama.cpp-like (a 2-token pass 1.45x plain): a line
     through them would price k = 3 at 2.35x (measured here: ~1.5-2.0x) and keep a free, well-accepted drafter
-    at k = 1. Unmeasured k are priced at the nearest measured smaller k, so larger k get tried."""
+    at k = 1. Unmeasured k are priced at the nearest measured smaller k, so larger k get tried, one past the
+    largest measured k at a time: a well-accepted drafter climbs to k_max in one round per k."""
     policy = AdaptiveK(k_max=8, acceptance=[0.9] * 8)
     policy.t_draft, policy.t_verify = 0.0, {0: 0.08, 1: 0.115}
     assert policy.verify_cost(3) == pytest.approx(0.115)
-    assert policy.choose(limit=50) == 8
+    picks = []
+    for _ in range(8):
+        picks.append(policy.choose(limit=50))
+        policy.update(picks[-1], picks[-1], 0.0, 0.115 + 0.01 * picks[-1])
+    assert picks == [2, 3, 4, 5, 6, 7, 8, 8]
+
+
+def test_exploration_climbs_only_while_drafts_are_accepted():
+    """A fresh free drafter at the prior acceptance (0.6) on llama.cpp-like costs: k = 8 priced at the 2-token
+    cost looks like 0.6 of plain's cost per token, but it is not a candidate until k = 2..7 were measured. Drafts
+    that are all rejected switch drafting off (but for k = 1 probes), never having paid for a 9-token pass."""
+    policy = AdaptiveK(k_max=8, t_verify={0: 0.1, 1: 0.15})
+    assert policy.seconds_per_token(8) < policy.seconds_per_token(2)  # the old choice: k = 8
+    picks = []
+    for _ in range(20):
+        picks.append(policy.choose(limit=100))
+        policy.update(picks[-1], 0, 0.0, 0.1 + 0.05 * picks[-1])
+    assert picks[0] == 2 and max(picks) == 2 and set(picks[1:]) <= {0, 1} and picks[1:].count(0) >= 17
 
 
 def test_expensive_catch_up_spaces_probes():
@@ -138,12 +156,17 @@ def test_fresh_policy_learns_costs_before_drafting(t_verify_2, step, drafts):
     assert policy.choose(limit=0) == 0 and not policy.filler
 
 
-def test_free_drafter_after_learning_drafts_top():
-    """A source whose draft cost cannot be timed beforehand (n-gram: free) drafts k_max once the verify costs
-    are known, and learns its cost from that round."""
-    policy = AdaptiveK(k_max=6, t_verify={0: 0.1, 1: 0.12})
-    assert policy.choose(limit=50) == 6 and not policy.filler
+def test_free_drafter_is_priced_free_until_measured():
+    """A source whose draft cost cannot be timed beforehand (n-gram: free) is priced as free once the verify
+    costs are known: it drafts as far as the measured costs allow (one past the largest measured k) and
+    learns its cost from that round; it does not draft where even free drafts cannot pay."""
+    policy = AdaptiveK(k_max=6, t_verify={0: 0.1, 1: 0.12, 4: 0.13})
+    assert policy.t_draft is None and policy.choose(limit=50) == 5 and not policy.filler
     assert policy.choose(limit=3) == 3
+    policy.update(3, 3, 0.003, 0.125)
+    assert policy.t_draft == pytest.approx(0.001)
+    hopeless = AdaptiveK(k_max=6, t_verify={0: 0.1, 1: 0.3}, prior_acceptance=0.1)
+    assert hopeless.choose(limit=50) == 0 and not hopeless.filler
 
 
 def test_catch_up_estimated_from_the_target_prefill():

@@ -11,8 +11,12 @@ The verify cost is measured per k. It is nearly flat in k for transformers on th
 smoothly, on llama.cpp (relative to one token, measured here: 1.5x for 2 tokens, 2.0x for 3, 1.6x for 4,
 3.15x for 9), so no curve through a few measurements predicts the rest. An unmeasured k is assumed to cost
 what the nearest measured smaller k costs: optimistic, so every k that could pay is tried once, measured and
-from then on judged by its own cost (at most k_max exploring rounds). Plain decoding (k = 0) is measured
-once early instead of being assumed to cost what a verify pass does.
+from then on judged by its own cost. Exploration climbs one k at a time: only k up to one past the largest
+measured one are candidates, so a k is tried only when the acceptance learned at the k below it says one more
+draft pays (before, a fresh policy priced k = 8 at the 2-token cost and drafted 8 at the prior acceptance: on
+llama.cpp a 9-token eval costs ~3.2 one-token evals, and a poorly matching first prompt paid for that
+exploration, 0.82x of plain decoding in its first repeat). Plain decoding (k = 0) is measured once early
+instead of being assumed to cost what a verify pass does.
 
 A draft model that has fallen behind (a new prompt, or rounds decoded without it) must first catch up on
 the tokens it has not seen, a one-off prefill that can cost seconds (the 0.5B on llama.cpp: ~10 ms per
@@ -26,7 +30,9 @@ A fresh policy knows no costs, and drafting blind is what a learning policy must
 model draft of 8 tokens and its catch-up on the prompt cost several plain tokens. So it learns the cheap way
 first: plain rounds measure t_verify(0) (the first round, whose token the prefill gave, costs no pass at
 all), then a "filler" round (`filler`) measures t_verify(1): the engine verifies one free guess (prompt
-lookup) instead of a draft, exact like any deterministic draft. Then, before a draft model's first draft,
+lookup) instead of a draft, exact like any deterministic draft. A source whose draft cost is not known by then
+(n-gram lookup: free; no step could be timed) is priced as free until its first draft measures it. Then,
+before a draft model's first draft,
 the engine times one draft step on a token of its catch-up (`wants_draft_cost`), and the catch-up itself is
 estimated from the target's prefill (seconds per prompt token, scaled by the draft/target step cost ratio)
 until one is measured. Only then does the draft model catch up, and only when it pays. On llama.cpp, where
@@ -162,7 +168,8 @@ class AdaptiveK:
         return total
 
     def seconds_per_token(self, k: int) -> float:
-        return (k * self.t_draft + self.verify_cost(k)) / self.expected_tokens(k)
+        t_draft = 0.0 if self.t_draft is None else self.t_draft  # not measured yet: a free drafter, see choose
+        return (k * t_draft + self.verify_cost(k)) / self.expected_tokens(k)
 
     def choose(self, limit: int, pending: int = 0) -> int:
         """k for the next round, at most min(limit, k_max); `pending`: tokens the draft must catch up on
@@ -173,12 +180,11 @@ class AdaptiveK:
             return 0
         if 0 not in self.t_verify:
             return 0  # measure plain decoding once: it is the alternative every k is weighed against
-        if self.t_draft is None:
-            if len(self.t_verify) < 2:
-                self.filler = True  # learn t_verify(1) from a free guess, not from a costly draft
-                return 1
-            return top  # the draft's cost could not be measured beforehand (a free drafter): draft, and learn
-        best = min(range(top + 1), key=self.seconds_per_token)
+        if self.t_draft is None and len(self.t_verify) < 2:
+            self.filler = True  # learn t_verify(1) from a free guess, not from a costly draft
+            return 1
+        # candidates: up to one past the largest measured k (exploration climbs one k at a time)
+        best = min(range(min(top, max(self.t_verify) + 1) + 1), key=self.seconds_per_token)
         if self._benched or self.seconds_per_token(best) > (1.0 - self.margin) * self.verify_cost(0):
             best = 0
         per_token = self.catchup_token_cost()
