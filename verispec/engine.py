@@ -36,6 +36,7 @@ from verispec.sampling import (
     process_logits,
 )
 from verispec.sequence import TokenSequence
+from verispec.timing import Clock, sync
 from verispec.verify import greedy_verify, rejection_sample
 
 # stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
@@ -88,6 +89,7 @@ class SpeculativeGenerator:
         self.num_draft_tokens = _check_k(num_draft_tokens)
         self.k_policy = AdaptiveK(k_max=k_max)  # used when num_draft_tokens is "auto"; learns across generations
         self.device = target.device
+        self._clock = Clock(self.device)  # times the round's stages on the device's timeline
         self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -120,7 +122,8 @@ class SpeculativeGenerator:
         round's logits for the position after seq, from the prefill (the cache then holds all of seq).
         `filler`: verify one free guess (prompt lookup) instead of the proposer's draft; the adaptive policy
         learns verify costs from such rounds before it pays for a draft model."""
-        t0 = time.perf_counter()
+        clock = self._clock
+        t0 = clock.mark()
         if filler:
             draft_tokens = torch.tensor([lookup_guess(seq.ids)], dtype=torch.long).to(self.device)
             draft_probs, proposed, k = None, 0, 1  # deterministic: q is one-hot on it, exact like n-gram drafts
@@ -133,8 +136,7 @@ class SpeculativeGenerator:
                 stats.draft_forwards += k
         else:
             draft_tokens, draft_probs, proposed = seq.device_ids.new_empty(0), None, 0
-        t1 = time.perf_counter()
-        catchup = getattr(self.proposer, "catchup_seconds", 0.0) if proposed > 0 else 0.0  # the draft's prefill
+        t1 = clock.mark()
         if head is None:
             logits = self.target.forward(torch.cat([seq.device_ids[-1:], draft_tokens]))  # [k+1, V]
             stats.target_forwards += 1
@@ -150,11 +152,12 @@ class SpeculativeGenerator:
         else:
             q = None if draft_probs is None else draft_probs[None]
             n, nxt = rejection_sample(draft_tokens[None], q, rows[None], gen)
+        t2 = clock.mark()
         host = torch.cat([n, nxt, draft_tokens]).tolist()  # the round's one device -> host sync
-        t2 = time.perf_counter()
-        stats.draft_seconds += t1 - t0 - catchup
+        catchup = getattr(self.proposer, "catchup_seconds", 0.0) if proposed > 0 else 0.0  # the draft's prefill
+        stats.draft_seconds += clock.seconds(t0, t1) - catchup
         stats.prefill_seconds += catchup
-        stats.target_seconds += t2 - t1
+        stats.target_seconds += clock.seconds(t1, t2)
 
         accepted = host[0]
         committed = host[2 : 2 + accepted] + [host[1]]
@@ -210,6 +213,7 @@ class SpeculativeGenerator:
         head, fed = self._prefill(seq)
         auto = num_draft_tokens == "auto"
         if auto:
+            sync(self.device)  # the first round waits for the prefill's logits anyway
             self.k_policy.observe_prefill(time.perf_counter() - t0, fed)
         if self.proposer is not None and (auto or num_draft_tokens > 0):
             self.proposer.start(seq, params, gen)

@@ -18,6 +18,7 @@ from verispec.sampling import (
     sample,
 )
 from verispec.sequence import TokenSequence
+from verispec.timing import Clock, sync
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -48,8 +49,9 @@ class DraftModelProposer:
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
         self._base = 0  # len(seq) when the last draft started
-        self.catchup_seconds = 0.0  # of the last propose: prefill/catch-up, not drafting (for the k policy)
-        self.catchup_tokens = 0  # tokens that catch-up processed
+        self.catchup_tokens = 0  # tokens the last propose's catch-up processed (see catchup_seconds)
+        self._clock = Clock(model.device)
+        self._catchup: tuple | None = None  # clock marks around the last propose's catch-up pass
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         """Keep the cached prefix this sequence shares; the rest is prefilled lazily by the first draft,
@@ -59,7 +61,13 @@ class DraftModelProposer:
         keep = min(common_prefix_length(held, seq.ids), len(seq) - 1, self.model.length)
         self.model.rollback(keep)
         self._held_seq, self._held_len = seq, keep
-        self.catchup_seconds, self.catchup_tokens = 0.0, 0
+        self._catchup, self.catchup_tokens = None, 0
+
+    @property
+    def catchup_seconds(self) -> float:
+        """Seconds of the last propose's catch-up (prefill of the tokens it had not seen), not drafting: for
+        the k policy. On a GPU read it after the round's sync (the clock's events must have completed)."""
+        return self._clock.seconds(*self._catchup) if self._catchup is not None else 0.0
 
     def pending(self, seq: TokenSequence) -> int:
         """Tokens the next propose must first feed in one catch-up pass (0 when it just feeds the last one
@@ -77,9 +85,8 @@ class DraftModelProposer:
         if len(seq) - at < 2:
             return None
         t0 = time.perf_counter()
-        logits = self.model.forward(seq.device_ids[at : at + 1], last_only=True)
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)  # a one-off measurement: wait for the kernels
+        self.model.forward(seq.device_ids[at : at + 1], last_only=True)
+        sync(self.model.device)  # a one-off measurement: wait for the kernels
         seconds = time.perf_counter() - t0
         self._held_seq, self._held_len = seq, self.model.length
         return seconds
@@ -87,13 +94,13 @@ class DraftModelProposer:
     def propose(self, seq: TokenSequence, k: int) -> Draft:
         params = self.params
         feed = seq.device_ids[self.model.length :]  # [m >= 1] committed tokens not yet seen
-        self.catchup_seconds, self.catchup_tokens = 0.0, 0
+        self._catchup, self.catchup_tokens = None, 0
         if feed.numel() > 2:  # a prompt, or rounds decoded without this draft: one batched catch-up pass
-            t0 = time.perf_counter()
+            start = self._clock.mark()
             self.model.forward(feed[:-1], last_only=True)
+            self._catchup = (start, self._clock.mark())
             self.catchup_tokens = feed.numel() - 1
             feed = feed[-1:]
-            self.catchup_seconds = time.perf_counter() - t0
         self._base = len(seq)
         presence = seq.presence(self.vocab_size) if params.penalised else None
         tokens, probs = [], []
