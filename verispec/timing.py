@@ -7,8 +7,8 @@ marks points with events recorded on the device's current stream and reads the t
 the round's one sync (`seconds`): the stages' real durations on the device's timeline, at no extra sync. On the
 CPU (and for llama.cpp, whose calls return when the work is done) it is the host's perf_counter.
 
-One-off timings that are needed before the next sync (a draft's timed step, its catch-up, the prefill) call
-`sync` instead: once per generation, not per round.
+One-off timings that are needed before the next sync (a draft's timed step, the prefill) call `sync`
+instead: once per generation, not per round.
 """
 
 from __future__ import annotations
