@@ -1,6 +1,20 @@
 import os
 import sys
 
+import pytest
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+ALL_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """Tiny in-process models run on one thread: their kernels are smaller than OpenMP's fork-join, which
+    costs ~10x more when another process holds the other core. Tests on real models get every core."""
+    torch.set_num_threads(ALL_THREADS if request.node.get_closest_marker("integration") else 1)
+    yield
+    torch.set_num_threads(ALL_THREADS)

@@ -5,14 +5,19 @@ from __future__ import annotations
 import torch
 
 
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+MIN_SAMPLES = 1000  # a position reached fewer times than this says nothing about its distribution
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_samples: int = MIN_SAMPLES) -> float:
     """Pearson chi-square goodness of fit of `counts` [V] to `probs` [V].
 
     Categories with expected count < 5 are pooled into one. Returns the p-value. An observed count in a
-    category of probability 0 returns 0.0 (impossible outcome)."""
+    category of probability 0 returns 0.0 (impossible outcome). Never passes vacuously: fewer than
+    `min_samples` observations, or fewer than two categories left to compare, raise AssertionError."""
     counts = counts.double()
     probs = probs.double()
     n = counts.sum()
+    assert n >= min_samples, f"only {int(n)} samples reached this position (need {min_samples})"
     if bool(((probs == 0) & (counts > 0)).any()):
         return 0.0
     expected = probs * n
@@ -23,11 +28,13 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     obs, exp = obs[keep], exp[keep]
     stat = ((obs - exp) ** 2 / exp).sum()
     df = obs.numel() - 1
-    if df < 1:
+    if int((probs > 0).sum()) == 1:  # a point mass: the impossible-outcome check above was the exact test
         return 1.0
+    assert df >= 1, "fewer than two categories with expected count >= 5: the test cannot tell anything apart"
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Total variation distance between the empirical distribution of `counts` and `probs`."""
     emp = counts.double() / counts.sum()
     return 0.5 * float((emp - probs.double()).abs().sum())

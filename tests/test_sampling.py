@@ -49,6 +49,36 @@ def test_top_p_fast_path_equals_full_sort(top_p):
         assert (fast[1] > -math.inf).sum() > sampling.TOP_P_CANDIDATES
 
 
+def _tied_rows(n: int = 6, vocab: int = 4000, seed: int = 0) -> torch.Tensor:
+    """Rows whose logits tie often, as bf16 logits do: values on a coarse grid."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, vocab, generator=gen) * 3).bfloat16().float().round()
+
+
+def test_top_p_keeps_every_token_tied_with_the_cut():
+    """100 tokens at logit 2, then 500 tied at 0: the mass reaches 0.7 inside the tied block, so all 500
+    are in the nucleus (no sort order may choose among equal logits)."""
+    row = torch.full((1, 4096), -20.0)
+    row[0, :100] = 2.0
+    row[0, 1000:1500] = 0.0
+    kept = sampling._filter_top_p(row, 0.7) > -math.inf
+    assert kept[0, :100].all() and kept[0, 1000:1500].all() and int(kept.sum()) == 600
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.7, 0.95])
+def test_top_p_of_a_row_does_not_depend_on_its_batch(top_p):
+    """A verify pass filters k + 1 rows at once, plain decoding one: each row's nucleus must be the same
+    alone as beside rows that make the candidate set grow (a flat row), with many tied logits."""
+    rows = _tied_rows()
+    flat = (torch.randn(1, rows.shape[1], generator=torch.Generator().manual_seed(5)) * 0.01).round()
+    batch = sampling._filter_top_p(torch.cat([rows, flat]), top_p)[:-1]
+    for i, row in enumerate(rows):
+        alone = sampling._filter_top_p(row[None], top_p)[0]
+        assert torch.equal(alone, batch[i]), i
+        cut = alone[alone > -math.inf].min()
+        assert torch.equal(alone > -math.inf, row >= cut), i  # closed under ties
+
+
 def test_top_p_keeps_at_least_the_best_token():
     logits = torch.tensor([[10.0, 0.0, -1.0, -2.0]])
     assert (sampling._filter_top_p(logits, 0.01) > -math.inf).tolist() == [[True, False, False, False]]

@@ -65,3 +65,31 @@ def test_chat_without_template_is_a_clear_error(tok):
     tok2.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         encode_prompt(tok2, "hi", chat=True)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 8])
+@pytest.mark.parametrize(
+    "stops, text, expected",
+    [
+        (["xyz", "y"], "ab xyz cd", "ab x"),  # "y" is completed before "xyz"
+        (["y", "xyz"], "ab xyz cd", "ab x"),  # the order of the list does not matter
+        (["bcd", "abcdef"], "zabcdefg", "za"),  # nested: the inner one ends first
+        (["cde", "abc"], "zabcdefg", "z"),  # overlapping: "abc" ends first although "cde" is listed first
+        (["abcd", "bcd"], "zabcdefg", "z"),  # equal ends: the longer (earlier-starting) one
+    ],
+)
+def test_the_stop_that_ends_first_wins_whatever_the_chunking(tok, chunk, stops, text, expected):
+    """Plain decoding (chunk = 1) stops at the first stop string completed; a round that commits several
+    tokens at once must stop at the same place and show the same text."""
+    ids = tok(text).input_ids
+    asm = TextAssembler(tok, stop=stops)
+    shown, keep = [], None
+    for i in range(0, len(ids), chunk):
+        shown.append(asm.push(ids[i : i + chunk]))
+        keep = asm.stop_index(ids[: i + chunk])
+        if keep is not None:
+            break
+    shown.append(asm.finish())
+    assert "".join(shown) == expected == asm.text
+    plain_keep = next(n for n in range(1, len(ids) + 1) if TextAssembler(tok, stop=stops).stop_index(ids[:n]))
+    assert keep == plain_keep

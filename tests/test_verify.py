@@ -7,6 +7,7 @@ import torch
 from stats_util import chi2_pvalue, total_variation
 
 from verispec.sampling import SamplingParams, probs_from_logits
+from verispec import verify
 from verispec.verify import (
     acceptance_probability,
     greedy_verify,
@@ -61,8 +62,8 @@ def _run_sampler(p: torch.Tensor, q: torch.Tensor | None, N: int, seed: int, alw
     """p [k+1, V], q [k, V] shared by all N samples; drafts drawn from q (or fixed tokens if q None)."""
     k, V = p.shape[0] - 1, p.shape[1]
     gen = torch.Generator().manual_seed(seed)
-    if q is None:
-        draft_tokens = torch.randint(0, V, (1, k), generator=gen).expand(N, k)
+    if q is None:  # the target's most likely tokens, so that every position is reached often
+        draft_tokens = p[:k].argmax(dim=-1).expand(N, k)
         draft_probs = None
     else:
         draft_tokens = torch.multinomial(q, N, replacement=True, generator=gen).T.contiguous()  # [N, k]
@@ -83,6 +84,25 @@ CASES = {
 }
 
 
+def per_position_fit(params: SamplingParams, seed: int, N: int = 400_000) -> list[tuple[float, float, int]]:
+    """(chi-square p-value, TV, samples that reached it) for each draft position and the bonus, k = 3,
+    V = 10, drafts sampled from a q that mostly agrees with p. The statistic of the verifier's tests, also
+    run on mutated verifiers (test_mutations)."""
+    gen = torch.Generator().manual_seed(seed)
+    k, V = 3, 10
+    target_logits = torch.randn(k + 1, V, generator=gen) * 2
+    draft_logits = target_logits[:k] + torch.randn(k, V, generator=gen)  # a draft that mostly agrees
+    p = probs_from_logits(target_logits, params)
+    q = probs_from_logits(draft_logits, params)
+    num_accepted, next_token, drafts = _run_sampler(p, q, N, seed=1)
+    assert 0 < float(num_accepted.float().mean()) < k  # both paths (rejection and bonus) exercised
+    fits = []
+    for pos in range(k + 1):
+        counts = _emitted_counts(num_accepted, next_token, drafts, pos, V)
+        fits.append((chi2_pvalue(counts, p[pos]), total_variation(counts, p[pos]), int(counts.sum())))
+    return fits
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_per_position_distribution(case):
     """Each draft position and the bonus token are distributed exactly as the processed target p.
@@ -90,20 +110,9 @@ def test_per_position_distribution(case):
     N = 400k samples, V = 10, k = 3: the chi-square test has power ~1 against TV = 0.01 at this N
     (the empirical TV's noise floor here is ~0.003). False-failure probability: ALPHA = 1e-4 per
     position, 4 positions -> < 4e-4 per case."""
-    params = CASES[case]
-    gen = torch.Generator().manual_seed(list(CASES).index(case))
-    k, V, N = 3, 10, 400_000
-    target_logits = torch.randn(k + 1, V, generator=gen) * 2
-    draft_logits = target_logits[:k] + torch.randn(k, V, generator=gen)  # a draft that mostly agrees
-    p = probs_from_logits(target_logits, params)
-    q = probs_from_logits(draft_logits, params)
-    num_accepted, next_token, drafts = _run_sampler(p, q, N, seed=1)
-    assert 0 < float(num_accepted.float().mean()) < k  # both paths (rejection and bonus) exercised
-    for pos in range(k + 1):
-        counts = _emitted_counts(num_accepted, next_token, drafts, pos, V)
-        assert counts.sum() > 50_000, (case, pos)  # enough samples reach every position
-        assert chi2_pvalue(counts, p[pos]) > ALPHA, (case, pos)
-        assert total_variation(counts, p[pos]) < 0.01
+    for pos, (p_value, tv, reached) in enumerate(per_position_fit(CASES[case], list(CASES).index(case))):
+        assert reached > 50_000, (case, pos)  # enough samples reach every position
+        assert p_value > ALPHA and tv < 0.01, (case, pos, p_value, tv)
 
 
 def test_deterministic_drafts_distribution():
@@ -114,6 +123,7 @@ def test_deterministic_drafts_distribution():
     num_accepted, next_token, drafts = _run_sampler(p, None, N, seed=2)
     for pos in range(k + 1):
         counts = _emitted_counts(num_accepted, next_token, drafts, pos, V)
+        assert counts.sum() > 5_000, pos  # every position, the bonus included, is reached often
         assert chi2_pvalue(counts, p[pos]) > ALPHA, pos
 
 
@@ -152,3 +162,36 @@ def test_seeded_sampler_reproduces():
     a = rejection_sample(d, q, p, torch.Generator().manual_seed(9))
     b = rejection_sample(d, q, p, torch.Generator().manual_seed(9))
     assert [x.tolist() for x in a] == [x.tolist() for x in b]
+
+
+def test_non_finite_draft_probability_is_rejected():
+    """A NaN or inf q(x) (an fp16 draft that overflowed) is never accepted, whatever p(x) is."""
+    p_x = torch.tensor([0.5, 0.5, 1.0, 0.0])
+    q_x = torch.tensor([float("nan"), float("inf"), float("nan"), float("nan")])
+    assert acceptance_probability(p_x, q_x).tolist() == [0.0, 0.0, 0.0, 0.0]
+    V, N = 4, 2000
+    p = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]]).expand(N, 2, V)
+    q = torch.tensor([[float("nan"), 0.5, 0.25, 0.25]]).expand(N, 1, V)
+    drafts = torch.zeros(N, 1, dtype=torch.long)  # token 0, whose q is NaN
+    num_accepted, _ = rejection_sample(drafts, q, p, torch.Generator().manual_seed(0))
+    assert int(num_accepted.sum()) == 0
+
+
+def test_a_tiny_residual_is_the_recovered_distribution():
+    """One-hot q on a token with p close to 1: the residual (mass ~1e-7) is exact, p is not."""
+    p = torch.tensor([1 - 1.2e-7, 0.6e-7, 0.6e-7, 0.0])
+    q = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    recovered = recovery_distribution(p, q)
+    assert recovered[0] == 0 and recovered[3] == 0
+    torch.testing.assert_close(recovered[1:3], torch.tensor([0.5, 0.5]))
+
+
+def test_a_zero_probability_draft_is_never_accepted_even_at_u_zero(monkeypatch):
+    """torch.rand draws from [0, 1): u = 0 happens. A draft token with p(x) = 0 must be rejected then too
+    (acceptance is u < min(1, p/q), not u <= p/q). Deterministic: every u is 0."""
+    monkeypatch.setattr(verify.torch, "rand", lambda *shape, generator=None, device=None, **kw: torch.zeros(*shape))
+    p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.4, 0.4]]).expand(10, 2, 3)
+    q = torch.tensor([[0.5, 0.25, 0.25]]).expand(10, 1, 3)
+    drafts = torch.zeros(10, 1, dtype=torch.long)  # token 0: q = 0.5, p = 0
+    num_accepted, _ = rejection_sample(drafts, q, p, torch.Generator().manual_seed(0))
+    assert int(num_accepted.sum()) == 0

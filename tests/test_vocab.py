@@ -1,5 +1,5 @@
 """The reduced-vocabulary draft head: which tokens it keeps, what it computes, and that speculation with it
-stays exact (greedy identity here; sampled marginals in test_engine)."""
+stays exact (greedy identity here; sampled marginals in test_exactness)."""
 
 import pytest
 import torch

@@ -249,6 +249,7 @@ class SpeculativeGenerator:
                 generated_ids = seq.generated
                 keep = self._stop_index(generated_ids, generated, stop)
                 if keep is not None:
+                    stats.cut_round(stats.drafted - before[2], accepted, max(0, keep - generated))
                     committed = committed[: max(0, keep - generated)]
                     seq.truncate(seq.prompt_length + keep)
                     self.target.rollback(min(self.target.length, len(seq) - 1))

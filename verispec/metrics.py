@@ -32,6 +32,18 @@ class SpecStats:
             for i in range(upto):
                 counts[i] += 1
 
+    def cut_round(self, drafted: int, accepted: int, emitted: int) -> None:
+        """The last round (`drafted` drafts, `accepted` of them accepted) was cut by a stop (EOS or a stop
+        string) after its first `emitted` tokens: when the cut falls among the accepted drafts, count the
+        round as if it had drafted only those, so that the stats describe what was emitted."""
+        if emitted >= accepted:
+            return
+        for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+            for i in range(emitted, upto):
+                counts[i] -= 1
+        self.drafted -= drafted - emitted
+        self.accepted -= accepted - emitted
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0

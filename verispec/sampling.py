@@ -90,27 +90,33 @@ TOP_P_CANDIDATES = 256  # top-p looks at this many best tokens first, then 8x as
 
 
 def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest best-first prefix whose mass reaches top_p (>= 1 token), -inf elsewhere.
+    """Keep every token whose logit is at least the cut logit, -inf elsewhere. The cut logit is the value
+    at which the best-first cumulative mass first reaches top_p (the best token is always kept).
 
-    Sorting 151,936 logits costs ~10 ms per row on this CPU, top-256 ~0.6 ms. A nucleus decided within
-    the best K tokens (their mass reaches top_p) is exactly the one a full sort finds, so on the CPU the
-    best K are tried first and K grows only when their mass falls short. Elsewhere (CUDA) the sort is
-    cheap and checking the mass would cost a device -> host sync, so the whole row is sorted."""
+    The rule is by value, so tokens tied with the cut logit are all kept: the nucleus does not depend on
+    how a sort orders equal logits, nor on which other rows share the batch. That is what makes it
+    exact under speculation: a verify pass scores k + 1 rows at once, plain decoding one, and bf16
+    logits tie often; a rule that kept "the first m tokens in sort order" could give a token p > 0 in
+    plain decoding and p = 0 in a verify row.
+
+    Sorting 151,936 logits costs far more than taking the best 256 on a CPU, so there the best K values
+    are taken first and K grows only while their mass falls short of top_p in some row: the sorted
+    values (not their order among ties) fix the cut, so any K that reaches top_p gives the same cut as
+    a full sort. Elsewhere (CUDA) the sort is cheap and checking the mass would cost a device -> host
+    sync, so the whole row is sorted."""
     if top_p >= 1.0:
         return logits
     vocab = logits.shape[-1]
     k = min(vocab, TOP_P_CANDIDATES) if logits.device.type == "cpu" else vocab
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
     while True:
-        best, order = torch.topk(logits, k, dim=-1)  # [n, k] best first
-        probs = (best - log_total).exp()
-        mass = probs.cumsum(dim=-1)
+        best = torch.topk(logits, k, dim=-1).values  # [n, k] best first
+        mass = (best - log_total).exp().cumsum(dim=-1)
         if k == vocab or bool((mass[:, -1] >= top_p).all()):
             break
         k = min(vocab, 8 * k)
-    keep = (mass - probs) < top_p  # mass of strictly better-ranked tokens below top_p
-    out = torch.full_like(logits, -math.inf)
-    return out.scatter_(-1, order, best.masked_fill(~keep, -math.inf))
+    cut = (mass < top_p).sum(dim=-1, keepdim=True).clamp_max(k - 1)  # [n, 1] first index reaching top_p
+    return logits.masked_fill(logits < best.gather(-1, cut), -math.inf)
 
 
 def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:

@@ -47,8 +47,14 @@ class TextAssembler:
         return text
 
     def _find_stop(self, text: str) -> tuple[int, str] | None:
-        hits = [(text.find(s), s) for s in self.stop if s in text]
-        return min(hits) if hits else None
+        """(start, stop string) of the stop that *ends* first in `text` (on equal ends, the one starting
+        first). Plain decoding checks after every token, so the first stop to be completed wins there;
+        ranking by end gives the same answer however many tokens a round commits at once."""
+        hits = [(text.find(s) + len(s), text.find(s), s) for s in self.stop if s in text]
+        if not hits:
+            return None
+        _, start, stop = min(hits)
+        return start, stop
 
     def stop_index(self, generated: list[int]) -> int | None:
         """Engine callback: how many generated tokens to keep when a stop string has appeared."""

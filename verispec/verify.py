@@ -17,22 +17,50 @@ import torch
 
 from verispec.sampling import sample
 
-# A residual whose mass is below this is numerical noise (p == q up to rounding): sample from p.
-RESIDUAL_EPS = 1e-6
-
-
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-    """min(1, p(x)/q(x)) elementwise, without dividing by zero (q(x) = 0: accept iff p(x) > 0)."""
+    """min(1, p(x)/q(x)) elementwise, without dividing by zero (q(x) = 0: accept iff p(x) > 0). A
+    non-finite q(x) (an fp16 draft that overflowed) is rejected outright: NaN compares False with
+    everything, so without the check it would pass as q = 0 and be accepted whenever p(x) > 0."""
     ratio = p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)
-    return torch.where(q_x > 0, ratio.clamp(max=1.0), (p_x > 0).to(p_x.dtype))
+    accept = torch.where(q_x > 0, ratio.clamp(max=1.0), (p_x > 0).to(p_x.dtype))
+    return torch.where(torch.isfinite(q_x), accept, torch.zeros_like(accept))
 
 
 def recovery_distribution(p_row: torch.Tensor, q_row: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) over the last dim; where the residual mass is ~0 (p == q up to rounding,
-    so a rejection had probability ~0) it falls back to p."""
+    """norm(max(0, p - q)) over the last dim. Where the residual has no mass at all (p <= q everywhere,
+    so a rejection had probability 0) it falls back to p; any positive mass, however small, is the
+    residual (a one-hot q on a token with p close to 1 leaves a tiny but exact residual)."""
     residual = (p_row - q_row).clamp_min(0.0)
     mass = residual.sum(dim=-1, keepdim=True)
-    return torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_row)
+    return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p_row)
+
+
+def draft_probs_at(draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """q_i(x_i) for each draft position: [B, k]. Deterministic drafts (None): 1."""
+    if draft_probs is None:
+        return torch.ones(draft_tokens.shape, device=draft_tokens.device)
+    return draft_probs.float().gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def next_token_distribution(
+    target_probs: torch.Tensor,  # [B, k+1, V] p
+    draft_tokens: torch.Tensor,  # [B, k]
+    draft_probs: torch.Tensor | None,  # [B, k, V] q, or None (one-hot on draft_tokens)
+    num_accepted: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """The distribution of the token after the accepted drafts, [B, V]: recovered, norm(max(0, p_n - q_n)),
+    at the first rejection n < k; the bonus, p_k itself, when all k were accepted."""
+    B, k = draft_tokens.shape
+    rows = torch.arange(B, device=target_probs.device)
+    p_row = target_probs[rows, num_accepted]  # [B, V]
+    if k == 0:
+        return p_row
+    at = num_accepted.clamp(max=k - 1)
+    if draft_probs is None:
+        q_row = torch.zeros_like(p_row).scatter_(-1, draft_tokens[rows, at].unsqueeze(-1), 1.0)
+    else:
+        q_row = draft_probs[rows, at].float()  # [B, V]
+    return torch.where((num_accepted == k).unsqueeze(-1), p_row, recovery_distribution(p_row, q_row))
 
 
 def rejection_sample(
@@ -45,36 +73,16 @@ def rejection_sample(
     B, k = draft_tokens.shape
     V = target_probs.shape[-1]
     assert target_probs.shape == (B, k + 1, V), f"target_probs {tuple(target_probs.shape)} != {(B, k + 1, V)}"
-    device = target_probs.device
     target_probs = target_probs.float()
-    rows = torch.arange(B, device=device)
-
+    num_accepted = torch.zeros(B, dtype=torch.long, device=target_probs.device)
     if k > 0:
         p_x = target_probs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, k]
-        if draft_probs is None:
-            q_x = torch.ones_like(p_x)
-        else:
-            draft_probs = draft_probs.float()
-            q_x = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, k]
-        u = torch.rand(B, k, generator=generator, device=device)  # [0, 1)
-        accepted = u < acceptance_probability(p_x, q_x)  # [B, k]
+        q_x = draft_probs_at(draft_probs, draft_tokens)  # [B, k]
+        u = torch.rand(B, k, generator=generator, device=target_probs.device)  # [0, 1)
+        accepted = u < acceptance_probability(p_x, q_x)  # [B, k]; u = 0 never accepts a token with p = 0
         num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
-    else:
-        num_accepted = torch.zeros(B, dtype=torch.long, device=device)
-
-    p_row = target_probs[rows, num_accepted]  # [B, V]
-    if k > 0:
-        at = num_accepted.clamp(max=k - 1)
-        if draft_probs is None:
-            q_row = torch.zeros_like(p_row).scatter_(-1, draft_tokens[rows, at].unsqueeze(-1), 1.0)
-        else:
-            q_row = draft_probs[rows, at]  # [B, V]
-        recovered = recovery_distribution(p_row, q_row)
-        final = torch.where((num_accepted == k).unsqueeze(-1), p_row, recovered)  # bonus row: p itself
-    else:
-        final = p_row
-    next_token = sample(final, generator)  # [B]
-    return num_accepted, next_token
+    final = next_token_distribution(target_probs, draft_tokens, draft_probs, num_accepted)
+    return num_accepted, sample(final, generator)
 
 
 def greedy_verify(
