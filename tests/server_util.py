@@ -48,3 +48,17 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """The value of one Prometheus sample (`name{labels}`) on the server's /metrics, 0 when absent."""
+    sample = f"{name}{{{labels}}}" if labels else name
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def series_count(url: str) -> int:
+    """Number of samples /metrics exposes (each label set of each metric counts)."""
+    return sum(1 for line in httpx.get(url + "/metrics").text.splitlines() if line and not line.startswith("#"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_util import ServerProcess
+from server_util import ServerProcess, metric
 from tiny import save_tiny_pair
 
 from verispec.cli import main
@@ -29,7 +30,7 @@ def pair_dirs(tmp_path_factory):
 def server(pair_dirs):
     target, draft = pair_dirs
     srv = ServerProcess(["--target", target, "--draft", draft, "--dtype", "fp32", "--served-model-name", MODEL,
-                         "--max-prompt-tokens", "600", "--max-tokens-cap", "200", "--max-body-bytes", "20000"])
+                         "--max-prompt-tokens", "600", "--max-tokens-cap", "4000", "--max-body-bytes", "20000"])
     yield srv
     srv.stop()
 
@@ -121,19 +122,66 @@ def test_greedy_equals_cli_generate(client, pair_dirs, capsys):
     assert r.usage.completion_tokens == len(cli["token_ids"])
 
 
-def test_disconnect_mid_stream_frees_work(server, client):
-    with httpx.stream("POST", server.url + "/v1/completions",
-                      json={"model": MODEL, "prompt": "long", "max_tokens": 200, "temperature": 0, "stream": True,
-                            "num_draft_tokens": 1}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                break  # leave after the first chunk
-    for _ in range(50):
-        if httpx.get(server.url + "/health").json()["busy"] is False:
-            break
-        time.sleep(0.1)
-    assert httpx.get(server.url + "/health").json()["busy"] is False
-    assert client.completions.create(model=MODEL, prompt="after", max_tokens=3).usage.completion_tokens > 0
+LONG = {"model": MODEL, "prompt": "long", "max_tokens": 4000, "temperature": 0, "num_draft_tokens": 1,
+        "ignore_eos": True}
+
+
+def _post_raw(url: str, body: dict) -> socket.socket:
+    """Send a POST on a raw socket (so that the test decides when the connection closes)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _tokens(url: str) -> float:
+    return metric(url, "verispec_generated_tokens_total")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_cancels_running_request(server, stream):
+    """A client that leaves mid-generation costs at most the round in flight: the generated-token counter
+    stops within one round (k = 1: at most 2 tokens) of the disconnect, far short of max_tokens."""
+    start = _tokens(server.url)
+    late = metric(server.url, "verispec_generated_after_cancel_tokens_total")
+    sock = _post_raw(server.url, LONG | {"stream": stream})
+    assert _wait_for(lambda: _tokens(server.url) > start + 20)  # running, tokens counted as they come
+    sock.close()
+    at_close = _tokens(server.url)
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["busy"] is False, timeout=5)
+    after = _tokens(server.url)
+    time.sleep(0.3)
+    assert _tokens(server.url) == after  # nothing keeps generating
+    assert after - at_close <= 2 * 20, (at_close, after)  # a few rounds at most while /metrics was read
+    assert after - start < 4000
+    assert metric(server.url, "verispec_generated_after_cancel_tokens_total") - late <= 2  # one round, k = 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_frees_queued_request(server, stream):
+    """A queued request whose client leaves frees its queue slot at once and never generates a token."""
+    running = _post_raw(server.url, LONG)
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["busy"])
+    cancelled = metric(server.url, "verispec_cancelled_requests_total")
+    queued = _post_raw(server.url, LONG | {"stream": stream, "prompt": "queued"})
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["queue_length"] == 1)
+    queued.close()
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["queue_length"] == 0, timeout=3)
+    assert httpx.get(server.url + "/health").json()["busy"]  # the running one is still running
+    assert metric(server.url, "verispec_cancelled_requests_total") == cancelled + 1
+    running.close()
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["busy"] is False, timeout=5)
 
 
 def test_models_health_metrics(server, client):
@@ -141,8 +189,10 @@ def test_models_health_metrics(server, client):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     text = httpx.get(server.url + "/metrics").text
     for name in ("verispec_requests_total", "verispec_generated_tokens_total", "verispec_drafted_tokens_total",
-                 "verispec_accepted_tokens_total", "verispec_acceptance_length_bucket",
-                 "verispec_time_per_output_token_seconds_bucket", "verispec_queue_length"):
+                 "verispec_accepted_tokens_total", "verispec_acceptance_length_tokens_bucket",
+                 "verispec_time_per_output_token_seconds_bucket", "verispec_num_requests_waiting",
+                 "verispec_time_to_first_token_seconds_bucket", "verispec_e2e_request_latency_seconds_bucket",
+                 "verispec_request_queue_time_seconds_bucket", "verispec_cancelled_requests_total"):
         assert name in text, name
 
 
