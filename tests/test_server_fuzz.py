@@ -188,8 +188,9 @@ def test_unknown_paths_add_no_metric_series(server):
     httpx.get(f"{server.url}/random")  # the one series all unknown paths share now exists
     series_count(server.url)  # and the one of /metrics' own answers
     before = series_count(server.url)
-    for i in range(200):
-        httpx.get(f"{server.url}/random-{i}/{i * 7}")
+    with httpx.Client() as client:
+        for i in range(200):
+            client.get(f"{server.url}/random-{i}/{i * 7}")
     assert series_count(server.url) == before
     assert metric(server.url, "verispec_requests_total", 'route="unmatched",status="404"') >= 200
 
