@@ -18,10 +18,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], timeout: float = 120.0) -> None:
+    def __init__(self, args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "verispec.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from server_util import ServerProcess, metric
 from tiny import save_tiny_pair
 
@@ -110,6 +112,33 @@ def test_error_cases(client, server):
     assert ok.status_code == 200  # unknown fields are ignored
 
 
+def test_penalties_logprobs_and_stop_token_ids(client, pair_dirs):
+    """Penalised greedy output is the same with and without speculation and differs from unpenalised;
+    logprobs come back in OpenAI's shapes; a stop token id ends generation right after it."""
+    from transformers import AutoTokenizer
+
+    kwargs = dict(model=MODEL, prompt="penalties", max_tokens=40, temperature=0)
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0}
+    spec = client.completions.create(**kwargs, extra_body=penalties)
+    plain = client.completions.create(**kwargs, extra_body=penalties | {"drafter": "none"})
+    free = client.completions.create(**kwargs)
+    assert spec.choices[0].text == plain.choices[0].text != free.choices[0].text
+    lp = client.completions.create(**kwargs, logprobs=2).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 40
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(top) <= 2 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    tokens = lp.tokens  # the greedy completion's tokens, as text (byte tokens: one ASCII character each)
+    char = next(t for t in tokens[3:] if len(t) == 1 and t.isascii() and t.isprintable())
+    stop_id = AutoTokenizer.from_pretrained(pair_dirs[0])(char).input_ids[0]
+    cut = client.completions.create(**kwargs, extra_body={"stop_token_ids": [stop_id]})
+    assert cut.usage.completion_tokens == tokens.index(char) + 1 and cut.choices[0].finish_reason == "stop"
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "min_tokens": 40})
+    assert full.usage.completion_tokens == 40
+
+
 def test_greedy_equals_cli_generate(client, pair_dirs, capsys):
     target, draft = pair_dirs
     prompt = "Compare me"
@@ -197,31 +226,91 @@ def test_models_health_metrics(server, client):
 
 
 def test_api_key_queue_limit_and_graceful_shutdown(pair_dirs):
+    """The key from VERISPEC_API_KEY; a full queue answers 429 with Retry-After; SIGTERM answers the waiting
+    requests 503 at once and the server exits 0 once the running one is gone."""
     target, draft = pair_dirs
     srv = ServerProcess(["--target", target, "--draft", draft, "--dtype", "fp32", "--served-model-name", MODEL,
-                         "--api-key", "sekret", "--max-queue", "1"])
+                         "--max-queue", "2", "--max-tokens-cap", "4000"], env={"VERISPEC_API_KEY": "sekret"})
     try:
-        body = {"model": MODEL, "prompt": "q", "max_tokens": 150, "temperature": 0, "num_draft_tokens": 0}
+        body = {"model": MODEL, "prompt": "q", "max_tokens": 100, "temperature": 0, "num_draft_tokens": 0}
         assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401
         auth = {"authorization": "Bearer sekret"}
-        statuses = []
+        replies = []
 
-        def fire():
-            statuses.append(httpx.post(srv.url + "/v1/completions", json=body, headers=auth, timeout=60).status_code)
+        def fire(payload, timeout=60):
+            try:
+                replies.append(httpx.post(srv.url + "/v1/completions", json=payload, headers=auth, timeout=timeout))
+            except httpx.TimeoutException:
+                replies.append(None)
 
-        threads = [threading.Thread(target=fire) for _ in range(8)]
+        threads = [threading.Thread(target=fire, args=(body,)) for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        statuses = [r.status_code for r in replies]
         assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
-        # SIGTERM while a stream is in flight: the server stops cleanly
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body | {"stream": True}, headers=auth,
+        assert all(r.headers["retry-after"].isdigit() for r in replies if r.status_code == 429)
+        replies.clear()
+        with httpx.stream("POST", srv.url + "/v1/completions", json=LONG | {"stream": True}, headers=auth,
                           timeout=60) as r:
-            next(r.iter_lines())
-            assert srv.stop(timeout=40) == 0
+            lines = r.iter_lines()  # kept: a discarded iterator closes the connection
+            next(lines)
+            waiting = [threading.Thread(target=fire, args=(body, 10)) for _ in range(2)]
+            for t in waiting:
+                t.start()
+            assert _wait_for(lambda: httpx.get(srv.url + "/health").json()["queue_length"] == 2)
+            srv.proc.send_signal(signal.SIGTERM)
+            for t in waiting:
+                t.join()
+            assert [r and r.status_code for r in replies] == [503, 503]
+            assert replies[0].json()["error"]["message"] == "the server is shutting down"
+        assert srv.proc.wait(timeout=30) == 0  # the stream's client left: the running job was cancelled
     finally:
         srv.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_dead_worker_is_reported(pair_dirs, monkeypatch):
+    """A worker thread that dies: its running stream ends with an error event (no hang), /health says
+    unhealthy (503), and new requests get 503."""
+    import asyncio
+
+    from tiny import byte_tokenizer, make_engine
+
+    from verispec.pipeline import Pipeline
+    from verispec.server.app import ServerSettings, create_app
+
+    target, _ = pair_dirs
+    from transformers import AutoModelForCausalLM
+
+    engine = make_engine(AutoModelForCausalLM.from_pretrained(target).float().eval())
+    pipeline = Pipeline(engine, byte_tokenizer(), target, None, torch.device("cpu"), "none")
+
+    def die(*args, **kwargs):
+        raise SystemExit("the worker thread ends")
+
+    monkeypatch.setattr(engine, "stream", die)
+    app = create_app(pipeline, ServerSettings(model_names=(MODEL,)))
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport,
+                                                                       base_url="http://127.0.0.1") as client:
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}
+            r = await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=10)
+            events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+            for _ in range(100):  # the thread finishes dying after it answered its job
+                health = await client.get("/health")
+                if health.status_code != 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+            r = await client.post("/v1/completions", json=body | {"stream": False})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_unavailable"
+
+    asyncio.run(scenario())
 
 
 def test_load_script(pair_dirs, tmp_path):
@@ -243,3 +332,16 @@ def test_load_script(pair_dirs, tmp_path):
     assert report["burst"]["429_with_retry_after"] > 0
     assert report["series_after_unknown_paths"] == report["series_before_unknown_paths"]
     assert report["cancelled_requests"] > 0 and report["rss_growth_percent"] < 5.0
+
+
+def test_allowed_hosts_follow_the_bind_address():
+    from verispec.cli import _allowed_hosts, _is_loopback
+    from verispec.server.guard import host_name
+
+    assert _allowed_hosts("127.0.0.1", None) == ("127.0.0.1", "localhost", "::1")
+    assert _allowed_hosts("0.0.0.0", None) == ("*",)
+    assert _allowed_hosts("10.1.2.3", None) == ("10.1.2.3",)
+    assert _allowed_hosts("127.0.0.1", "Example.com, [::1]") == ("example.com", "::1")
+    assert _is_loopback("localhost") and _is_loopback("::1") and not _is_loopback("192.168.0.4")
+    assert [host_name(h) for h in ("127.0.0.1:8000", "[::1]:8000", "LOCALHOST", "::1")] == [
+        "127.0.0.1", "::1", "localhost", "::1"]

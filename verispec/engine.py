@@ -325,8 +325,8 @@ class SpeculativeGenerator:
         result = GenerationResult(token_ids=[], finish_reason="length")
         result.stats.prompt_tokens = len(prompt_ids)
         stop_ids = frozenset(int(t) for t in stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
-        if params.min_tokens:
-            params = replace(params, stop_ids=tuple(sorted(stop_ids)))
+        if params.min_tokens:  # min_tokens masks every id that would end generation here
+            params = replace(params, stop_ids=tuple(sorted(stop_ids | set(params.stop_ids))))
         if logprobs is not None and logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {logprobs}")
         rounds = self._rounds(list(prompt_ids), params, max_new_tokens, k, stop, result, stop_ids, logprobs)

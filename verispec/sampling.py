@@ -31,7 +31,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0.0: off; subtracted once from every token already generated
     frequency_penalty: float = 0.0  # 0.0: off; subtracted per occurrence among the generated tokens
     min_tokens: int = 0  # the stop ids are masked at generated positions below this
-    stop_ids: tuple[int, ...] = ()  # the ids min_tokens masks (EOS and stop ids; the engine fills them in)
+    stop_ids: tuple[int, ...] = ()  # the ids min_tokens masks (the engine adds its EOS and stop ids)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

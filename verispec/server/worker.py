@@ -155,14 +155,15 @@ class Worker:
                     self._generate(job)
                 except Exception as exc:  # a failed request must never take the worker down
                     job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
+                except BaseException:  # the thread dies (SystemExit, ...): its job must not wait for it
+                    job.emit("unavailable", "the model worker stopped unexpectedly")
+                    raise
                 finally:
                     self.current = None
                     self._update_gauges()
         finally:  # also when the thread dies of a BaseException: nobody may wait for it
-            died = None if self._stopping else "the model worker stopped unexpectedly"
-            if self.current is not None:
-                self.current.emit("unavailable", died or "the server is shutting down")
-            self.refuse_waiting(died or "the server is shutting down")
+            self.refuse_waiting("the server is shutting down" if self._stopping
+                                else "the model worker stopped unexpectedly")
 
     def _generate(self, job: Job) -> None:
         engine, metrics = self.pipeline.generator, self.metrics
