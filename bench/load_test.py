@@ -105,7 +105,8 @@ def _request(i: int, rng: random.Random, args) -> dict:
     if i % 5 == 0:
         kind = MALFORMED[(i // 5) % len(MALFORMED)]
         path, raw, ctype = _malformed(kind, path, body)
-        return {"i": i, "kind": kind, "path": path, "body": raw, "ctype": ctype, "stream": False, "drop": False}
+        return {"i": i, "kind": kind, "path": path, "body": raw, "ctype": ctype, "stream": False, "drop": False,
+                "chat": path == "/v1/chat/completions"}
     drop = i % 10 == 1
     stream = (i // 10) % 2 == 0 if drop else rng.random() < 0.5
     if drop:
@@ -160,7 +161,7 @@ async def _send(client, url, spec, drop_after_s: float) -> dict:
             out = {"status": r.status_code, "completed": r.status_code == 200 and "choices" in r.json()}
             if out["completed"]:
                 choice = r.json()["choices"][0]
-                out["text"] = choice["message"]["content"] if spec.get("chat") else choice["text"]
+                out["text"] = choice["message"]["content"] if spec["chat"] else choice["text"]
             else:
                 out["code"] = _error_code(r)
     except httpx.HTTPError as exc:
@@ -175,7 +176,7 @@ async def _solo(client, url, spec) -> str | None:
     if r.status_code != 200:
         return None
     choice = r.json()["choices"][0]
-    return choice["message"]["content"] if spec.get("chat") else choice["text"]
+    return choice["message"]["content"] if spec["chat"] else choice["text"]
 
 
 async def _burst(client, url, args) -> Counter:
