@@ -270,33 +270,70 @@ def test_api_key_queue_limit_and_graceful_shutdown(pair_dirs):
         srv.stop()
 
 
+def _in_process_app(target_dir: str, tokenizer=None):
+    """The app over a plain (no draft) pipeline of the tiny target, for tests that patch its parts."""
+    from tiny import byte_tokenizer, make_engine
+    from transformers import AutoModelForCausalLM
+
+    from verispec.pipeline import Pipeline
+    from verispec.server.app import ServerSettings, create_app
+
+    engine = make_engine(AutoModelForCausalLM.from_pretrained(target_dir).float().eval())
+    pipeline = Pipeline(engine, tokenizer or byte_tokenizer(), target_dir, None, torch.device("cpu"), "none")
+    return engine, create_app(pipeline, ServerSettings(model_names=(MODEL,)))
+
+
+def _in_process_client(app):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
+
+
+def test_tokenisation_does_not_block_the_event_loop(pair_dirs):
+    """While a slow tokenisation runs (here 1 s), /health still answers at once."""
+    import asyncio
+
+    from tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __call__(self, *args, **kwargs):
+            time.sleep(1.0)
+            return tok(*args, **kwargs)
+
+    _, app = _in_process_app(pair_dirs[0], Slow())
+
+    async def scenario():
+        async with app.router.lifespan_context(app), _in_process_client(app) as client:
+            t0 = time.perf_counter()
+            slow = asyncio.create_task(client.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                                              "max_tokens": 2}))
+            await asyncio.sleep(0.1)  # the slow request is tokenising now
+            assert (await client.get("/health")).status_code == 200
+            waited = time.perf_counter() - t0
+            assert (await slow).status_code == 200
+            return waited
+
+    assert asyncio.run(scenario()) < 0.6  # 0.1 s of sleep, not 1 s of tokenisation
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_dead_worker_is_reported(pair_dirs, monkeypatch):
     """A worker thread that dies: its running stream ends with an error event (no hang), /health says
     unhealthy (503), and new requests get 503."""
     import asyncio
 
-    from tiny import byte_tokenizer, make_engine
-
-    from verispec.pipeline import Pipeline
-    from verispec.server.app import ServerSettings, create_app
-
-    target, _ = pair_dirs
-    from transformers import AutoModelForCausalLM
-
-    engine = make_engine(AutoModelForCausalLM.from_pretrained(target).float().eval())
-    pipeline = Pipeline(engine, byte_tokenizer(), target, None, torch.device("cpu"), "none")
+    engine, app = _in_process_app(pair_dirs[0])
 
     def die(*args, **kwargs):
         raise SystemExit("the worker thread ends")
 
     monkeypatch.setattr(engine, "stream", die)
-    app = create_app(pipeline, ServerSettings(model_names=(MODEL,)))
 
     async def scenario():
-        transport = httpx.ASGITransport(app=app)
-        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport,
-                                                                       base_url="http://127.0.0.1") as client:
+        async with app.router.lifespan_context(app), _in_process_client(app) as client:
             body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}
             r = await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=10)
             events = [line for line in r.text.splitlines() if line.startswith("data: ")]

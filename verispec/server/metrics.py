@@ -28,7 +28,8 @@ class Metrics:
             "verispec_time_per_output_token_seconds", "decoding time per output token after the first (no prefill)",
             buckets=TOKEN_TIME_BUCKETS, registry=r)
         self.time_to_first_token = Histogram(
-            "verispec_time_to_first_token_seconds", "from submission (after tokenisation) to the first generated token: queue + prefill",
+            "verispec_time_to_first_token_seconds",
+            "from submission (after tokenisation) to the first generated token: queue + prefill",
             buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("verispec_e2e_request_latency_seconds", "from submission to the last token",
                              buckets=LATENCY_BUCKETS, registry=r)
