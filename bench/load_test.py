@@ -260,6 +260,8 @@ def _report(args, results, elapsed, rss, solo, burst, unknown, series_before, se
         "malformed_sent": len(malformed),
         "malformed_4xx": sum(400 <= r["status"] < 500 for r in malformed),
         "malformed_by_status_and_code": dict(Counter(f"{r['status']} {r.get('code')}" for r in malformed)),
+        "malformed_by_kind": {kind: dict(Counter(r["status"] for r in malformed if r["kind"] == kind))
+                              for kind in MALFORMED},
         "all_5xx": sum(r["status"] >= 500 or r["status"] == 0 for r in results)
                    + sum(n for s, n in burst.items() if isinstance(s, int) and s >= 500)
                    + sum(r.status_code >= 500 for r in unknown),
