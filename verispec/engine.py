@@ -372,7 +372,7 @@ def _token_logprobs(logp: torch.Tensor, tokens: list[int], top: int) -> list[Tok
     """TokenLogprob for each row of logp [n, V] and its chosen token."""
     rows = torch.arange(len(tokens), device=logp.device)
     chosen = logp[rows, torch.tensor(tokens, device=logp.device)].tolist()
-    best = torch.topk(logp, top, dim=-1) if top else None
+    best = torch.topk(logp, min(top, logp.shape[-1]), dim=-1) if top else None
     entries = []
     for i, value in enumerate(chosen):
         alts = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
