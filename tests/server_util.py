@@ -18,10 +18,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], timeout: float = 120.0) -> None:
+    def __init__(self, args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "verispec.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -48,3 +48,17 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """The value of one Prometheus sample (`name{labels}`) on the server's /metrics, 0 when absent."""
+    sample = f"{name}{{{labels}}}" if labels else name
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def series_count(url: str) -> int:
+    """Number of samples /metrics exposes (each label set of each metric counts)."""
+    return sum(1 for line in httpx.get(url + "/metrics").text.splitlines() if line and not line.startswith("#"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
@@ -268,16 +269,44 @@ def cmd_serve(args) -> int:
     from verispec.server.app import ServerSettings, create_app
     from verispec.server.run import serve
 
+    api_key = args.api_key or os.environ.get("VERISPEC_API_KEY") or None
+    hosts = _allowed_hosts(args.host, args.allowed_hosts)
+    if not _is_loopback(args.host) and api_key is None:
+        print(f"verispec serve: warning: {args.host} is reachable from other machines and no API key is set "
+              f"(--api-key or VERISPEC_API_KEY): anyone who can reach it can use it", file=sys.stderr, flush=True)
     pipe = _pipeline(args)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, pipe.target_ref, "verispec") if n))
     settings = ServerSettings(model_names=names, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                               max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
-                              max_body_bytes=args.max_body_bytes, api_key=args.api_key)
+                              max_body_bytes=args.max_body_bytes, api_key=api_key, allowed_hosts=hosts,
+                              enable_docs=args.enable_docs)
     app = create_app(pipe, settings)
     print(f"verispec serve: {', '.join(names)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    serve(app, args.host, args.port, args.log_level)
+    serve(app, args.host, args.port, args.log_level, limit_concurrency=args.limit_concurrency)
     print("verispec serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _allowed_hosts(bind: str, given: str | None) -> tuple[str, ...]:
+    """Host names a request's Host header may carry: those given (comma-separated, "*" = any), else the
+    loopback names for a loopback bind, the bind address itself, or any for a wildcard bind (0.0.0.0, ::)."""
+    if given:
+        return tuple(h.strip().lower().strip("[]") for h in given.split(",") if h.strip())
+    if bind in ("0.0.0.0", "::", ""):
+        return ("*",)
+    loopback = ("127.0.0.1", "localhost", "::1") if _is_loopback(bind) else ()
+    return tuple(dict.fromkeys((bind.lower().strip("[]"), *loopback)))
 
 
 def _progress_printer():
@@ -396,7 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $VERISPEC_API_KEY)")
+    sv.add_argument("--allowed-hosts", help="comma-separated host names the Host header may carry ('*': any; "
+                                            "default: the bind address, with localhost names for a loopback one)")
+    sv.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    sv.add_argument("--limit-concurrency", type=int, default=256,
+                    help="open connections beyond this get 503 from uvicorn (default 256)")
     sv.add_argument("--served-model-name", help="the model name clients use (the target's name is always accepted)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429 (default 64)")
     sv.add_argument("--max-prompt-tokens", type=int, default=8192)

@@ -16,9 +16,10 @@ The engine knows token ids only. Text-level stops come in as a callback from the
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,11 +30,13 @@ from verispec.proposers.base import Proposer
 from verispec.proposers.ngram import lookup_guess
 from verispec.sampling import (
     SamplingParams,
+    count_rows,
     greedy_tokens,
     make_generator,
     presence_rows,
     probs_from_logits,
     process_logits,
+    token_counts,
 )
 from verispec.sequence import TokenSequence
 from verispec.timing import Clock, sync
@@ -41,6 +44,10 @@ from verispec.verify import greedy_verify, rejection_sample
 
 # stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
 StopFn = Callable[[list[int]], "int | None"]
+# per generated token: (its logprob, [(id, logprob) of the most likely tokens]) under the target's processed
+# distribution; -inf (a token the filters removed) is reported as LOGPROB_FLOOR, JSON having no infinity
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -48,6 +55,7 @@ class GenerationResult:
     token_ids: list[int]  # generated ids only (an EOS that ended generation included)
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
 
 
 class Generation:
@@ -110,18 +118,30 @@ class SpeculativeGenerator:
         presence = None
         if params.penalised:
             presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
+        counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), len(seq.generated)
         if params.greedy:
-            return greedy_tokens(process_logits(logits, params, presence))  # [k+1]
-        return probs_from_logits(logits, params, presence)  # [k+1, V]
+            return greedy_tokens(process_logits(logits, params, presence, counts, position))  # [k+1]
+        return probs_from_logits(logits, params, presence, counts, position)  # [k+1, V]
+
+    def _logprob_rows(
+        self, logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
+    ) -> torch.Tensor:
+        """[k+1, V] log-probabilities of the target's processed distribution (greedy: of its penalised logits,
+        at temperature 1, since the one-hot would say nothing)."""
+        presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens) if params.penalised else None
+        counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
+        return process_logits(logits, params, presence, counts, len(seq.generated)).log_softmax(dim=-1)
 
     def _round(
         self, seq: TokenSequence, k: int, params: SamplingParams, gen: torch.Generator, stats: SpecStats,
-        head: torch.Tensor | None = None, filler: bool = False,
+        head: torch.Tensor | None = None, filler: bool = False, logprobs: list[TokenLogprob] | None = None,
+        top_logprobs: int = 0,
     ) -> tuple[int, list[int]]:
         """One propose -> verify -> commit round. Returns (accepted, committed tokens). `head`: the first
         round's logits for the position after seq, from the prefill (the cache then holds all of seq).
         `filler`: verify one free guess (prompt lookup) instead of the proposer's draft; the adaptive policy
-        learns verify costs from such rounds before it pays for a draft model."""
+        learns verify costs from such rounds before it pays for a draft model. `logprobs`: a list to append
+        each committed token's TokenLogprob to (with `top_logprobs` alternatives); None: not asked for."""
         clock = self._clock
         t0 = clock.mark()
         if filler:
@@ -147,6 +167,7 @@ class SpeculativeGenerator:
             logits = head
             stats.target_forwards += 1
         rows = self._target_rows(logits, draft_tokens, params, seq)
+        logp = self._logprob_rows(logits, draft_tokens, params, seq) if logprobs is not None else None
         if params.greedy:
             n, nxt = greedy_verify(draft_tokens[None], rows[None])
         else:
@@ -161,6 +182,8 @@ class SpeculativeGenerator:
 
         accepted = host[0]
         committed = host[2 : 2 + accepted] + [host[1]]
+        if logp is not None:
+            logprobs.extend(_token_logprobs(logp[: accepted + 1], committed, top_logprobs))
         seq.extend(committed, torch.cat([draft_tokens[:accepted], nxt]))
         self.target.rollback(len(seq) - 1)
         if proposed > 0:
@@ -183,9 +206,13 @@ class SpeculativeGenerator:
                 policy.observe_draft_step(step)
         return policy, policy.choose(limit, proposer.pending(seq) if hasattr(proposer, "pending") else 0)
 
-    def _stop_index(self, generated: list[int], start: int, stop: StopFn | None) -> int | None:
-        """Number of generated tokens to keep if a stop was hit among generated[start:], else None."""
-        keep = next((i + 1 for i in range(start, len(generated)) if generated[i] in self.eos_token_ids), None)
+    def _stop_index(
+        self, generated: list[int], start: int, stop: StopFn | None, stop_ids: frozenset[int] | None = None
+    ) -> int | None:
+        """Number of generated tokens to keep if a stop was hit among generated[start:], else None.
+        `stop_ids`: the ids that end generation (default: the EOS ids)."""
+        stop_ids = self.eos_token_ids if stop_ids is None else stop_ids
+        keep = next((i + 1 for i in range(start, len(generated)) if generated[i] in stop_ids), None)
         if stop is not None:
             at_stop = stop(generated[:keep] if keep is not None else generated)
             if at_stop is not None:
@@ -202,6 +229,8 @@ class SpeculativeGenerator:
         num_draft_tokens: int | str,
         stop: StopFn | None,
         result: GenerationResult,
+        stop_ids: frozenset[int] | None = None,
+        top_logprobs: int | None = None,
     ) -> Iterator[list[int]]:
         stats = result.stats
         t_start = time.perf_counter()
@@ -220,6 +249,7 @@ class SpeculativeGenerator:
         stats.prefill_seconds = time.perf_counter() - t_start
 
         generated = 0
+        logprobs = None if top_logprobs is None else []
         if auto:
             self.k_policy.new_generation()
         try:
@@ -233,7 +263,8 @@ class SpeculativeGenerator:
                     k = min(num_draft_tokens, limit)
                 before = (stats.draft_seconds, stats.target_seconds, stats.drafted, stats.prefill_seconds)
                 t_round = time.perf_counter()
-                accepted, committed = self._round(seq, k, params, gen, stats, head, filler)
+                accepted, committed = self._round(seq, k, params, gen, stats, head, filler, logprobs,
+                                                  top_logprobs or 0)
                 t_round = time.perf_counter() - t_round  # all of it: drafting, verifying, both rollbacks
                 if auto:
                     drafted = stats.drafted - before[2]
@@ -247,7 +278,7 @@ class SpeculativeGenerator:
                                       round_seconds=t_round - catchup, plain_tokens=accepted + (head is None))
                 head = None
                 generated_ids = seq.generated
-                keep = self._stop_index(generated_ids, generated, stop)
+                keep = self._stop_index(generated_ids, generated, stop, stop_ids)
                 if keep is not None:
                     stats.cut_round(stats.drafted - before[2], accepted, max(0, keep - generated))
                     committed = committed[: max(0, keep - generated)]
@@ -257,6 +288,8 @@ class SpeculativeGenerator:
                     generated_ids = generated_ids[:keep]
                 generated = len(generated_ids)
                 result.token_ids = generated_ids
+                if logprobs is not None:
+                    result.logprobs = logprobs[: len(generated_ids)]
                 stats.new_tokens = generated
                 stats.seconds = time.perf_counter() - t_start
                 if committed:
@@ -274,7 +307,13 @@ class SpeculativeGenerator:
         max_new_tokens: int = 128,
         num_draft_tokens: int | str | None = None,
         stop: StopFn | None = None,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
     ) -> Generation:
+        """Generate round by round. `stop_token_ids` end generation like EOS does; `ignore_eos`: EOS does
+        not; params.min_tokens masks whichever ids end it. `logprobs` n >= 0: result.logprobs holds each
+        token's logprob and the n most likely alternatives under the target's processed distribution."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         if len(prompt_ids) >= self.target.max_length:
@@ -286,7 +325,13 @@ class SpeculativeGenerator:
         k = self.num_draft_tokens if num_draft_tokens is None else _check_k(num_draft_tokens)
         result = GenerationResult(token_ids=[], finish_reason="length")
         result.stats.prompt_tokens = len(prompt_ids)
-        return Generation(self._guarded(self._rounds(list(prompt_ids), params, max_new_tokens, k, stop, result)), result)
+        stop_ids = frozenset(int(t) for t in stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
+        if params.min_tokens:  # min_tokens masks every id that would end generation here
+            params = replace(params, stop_ids=tuple(sorted(stop_ids | set(params.stop_ids))))
+        if logprobs is not None and logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+        rounds = self._rounds(list(prompt_ids), params, max_new_tokens, k, stop, result, stop_ids, logprobs)
+        return Generation(self._guarded(rounds), result)
 
     def _guarded(self, rounds: Iterator[list[int]]) -> Iterator[list[int]]:
         """An exception inside a round (e.g. KeyboardInterrupt mid-forward) may leave a cache half
@@ -312,3 +357,29 @@ class SpeculativeGenerator:
         for _ in generation:
             pass
         return generation.result
+
+
+def _row_counts(
+    seq: TokenSequence, draft_tokens: torch.Tensor, params: SamplingParams, vocab_size: int
+) -> torch.Tensor | None:
+    """[k+1, V] generated-token counts per verify row (row i: the committed generation plus drafts[:i]),
+    or None when no presence/frequency penalty needs them."""
+    if not params.counted:
+        return None
+    return count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab_size), draft_tokens)
+
+
+def _token_logprobs(logp: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """TokenLogprob for each row of logp [n, V] and its chosen token."""
+    rows = torch.arange(len(tokens), device=logp.device)
+    chosen = logp[rows, torch.tensor(tokens, device=logp.device)].tolist()
+    best = torch.topk(logp, min(top, logp.shape[-1]), dim=-1) if top else None
+    entries = []
+    for i, value in enumerate(chosen):
+        alts = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
+        entries.append((_finite(value), [(a, _finite(v)) for a, v in alts]))
+    return entries
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR

@@ -6,7 +6,10 @@ logits into a distribution lives here, so plain decoding, the draft and the veri
 
 Order of processing (as in Hugging Face's generation): repetition penalty over the context so far,
 then temperature, top-k, top-p, min-p. Temperature 0 means greedy: the distribution is one-hot on the
-argmax of the penalised logits.
+argmax of the penalised logits. Around the repetition penalty, as vLLM does: first min_tokens masks the
+stop ids (-inf) in rows for positions below it, after it the presence and frequency penalties subtract
+from the logits per the counts of the tokens generated so far (not the prompt's). Like the presence mask,
+the counts and the position are per row: row i sees the context plus the drafts before it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ class SamplingParams:
     min_p: float = 0.0  # 0.0: off
     repetition_penalty: float = 1.0  # 1.0: off
     seed: int | None = None
+    presence_penalty: float = 0.0  # 0.0: off; subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # 0.0: off; subtracted per occurrence among the generated tokens
+    min_tokens: int = 0  # the stop ids are masked at generated positions below this
+    stop_ids: tuple[int, ...] = ()  # the ids min_tokens masks (the engine adds its EOS and stop ids)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -37,6 +44,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +57,15 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0
+
+    @property
+    def counted(self) -> bool:
+        """Whether processing needs the generated tokens' counts (presence or frequency penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def masks_stops(self, position: int) -> bool:
+        """Whether rows from generated position `position` on may still have their stop ids masked."""
+        return position < self.min_tokens and bool(self.stop_ids)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
@@ -70,6 +91,42 @@ def presence_rows(presence: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         onehot[torch.arange(1, n + 1, device=presence.device), tokens] = 1
         rows |= onehot.cumsum(0) > 0
     return rows
+
+
+def count_rows(counts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per-row token counts for rows that each see one more token of `tokens` (as presence_rows does for
+    presence): counts [V] int, tokens [n] -> [n+1, V], row i = counts + occurrences in tokens[:i]."""
+    n = tokens.numel()
+    rows = counts.unsqueeze(0).repeat(n + 1, 1)  # [n+1, V]
+    if n:
+        onehot = torch.zeros(n + 1, counts.numel(), dtype=counts.dtype, device=counts.device)
+        onehot[torch.arange(1, n + 1, device=counts.device), tokens] = 1
+        rows += onehot.cumsum(0)
+    return rows
+
+
+def token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] int32: how often each id occurs in tokens [n]."""
+    return torch.bincount(tokens, minlength=vocab_size)[:vocab_size].to(torch.int32)
+
+
+def apply_count_penalties(logits: torch.Tensor, counts: torch.Tensor, presence_penalty: float,
+                          frequency_penalty: float) -> torch.Tensor:
+    """OpenAI semantics: logit - presence_penalty * [count > 0] - frequency_penalty * count.
+    logits: [n, V] fp32; counts: [n, V] or [V] int."""
+    penalty = frequency_penalty * counts.float() + presence_penalty * (counts > 0).float()
+    return logits - penalty
+
+
+def mask_stop_ids(logits: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
+    """-inf on params.stop_ids in the rows whose generated position (position + row) is below min_tokens."""
+    rows = min(max(params.min_tokens - position, 0), logits.shape[0])
+    if rows == 0 or not params.stop_ids:
+        return logits
+    ids = torch.tensor(params.stop_ids, dtype=torch.long, device=logits.device)
+    logits = logits.clone()
+    logits[:rows, ids] = -math.inf
+    return logits
 
 
 def apply_repetition_penalty(logits: torch.Tensor, presence: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -128,13 +185,21 @@ def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def process_logits(
-    logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None = None
+    logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None, position: int = 0,
 ) -> torch.Tensor:
-    """Penalised, filtered logits in fp32 ([n, V] in, [n, V] out). Temperature is applied only when > 0."""
+    """Penalised, filtered logits in fp32 ([n, V] in, [n, V] out). Temperature is applied only when > 0.
+    `counts`: the generated tokens' counts per row (presence/frequency penalties); `position`: the generated
+    position of row 0 (min_tokens masks the stop ids in rows below it)."""
     logits = logits.float()
+    if params.masks_stops(position):
+        logits = mask_stop_ids(logits, params, position)
     if params.penalised:
         assert presence is not None, "repetition penalty needs the context presence mask"
         logits = apply_repetition_penalty(logits, presence, params.repetition_penalty)
+    if params.counted:
+        assert counts is not None, "presence/frequency penalties need the generated tokens' counts"
+        logits = apply_count_penalties(logits, counts, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         return logits
     if params.temperature != 1.0:
@@ -156,10 +221,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def probs_from_logits(
-    logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None = None
+    logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None, position: int = 0,
 ) -> torch.Tensor:
     """The processed distribution, fp32 [n, V]. Greedy gives the one-hot of the argmax."""
-    processed = process_logits(logits, params, presence)
+    processed = process_logits(logits, params, presence, counts, position)
     if params.greedy:
         probs = torch.zeros_like(processed)
         return probs.scatter_(-1, greedy_tokens(processed).unsqueeze(-1), 1.0)

@@ -11,11 +11,13 @@ from verispec.backends.base import Model, common_prefix_length
 from verispec.proposers.base import Draft
 from verispec.sampling import (
     SamplingParams,
+    count_rows,
     greedy_tokens,
     presence_rows,
     probs_from_logits,
     process_logits,
     sample,
+    token_counts,
 )
 from verispec.sequence import TokenSequence
 from verispec.timing import Clock, sync
@@ -103,17 +105,21 @@ class DraftModelProposer:
             feed = feed[-1:]
         self._base = len(seq)
         presence = seq.presence(self.vocab_size) if params.penalised else None
+        counts = token_counts(seq.device_ids[seq.prompt_length :], self.vocab_size) if params.counted else None
         tokens, probs = [], []
-        for _ in range(k):
+        for step in range(k):
             logits = align_vocab(self.model.forward(feed, last_only=True)[-1:], self.vocab_size)  # [1, V]
+            position = len(seq.generated) + step  # the target's row for this draft sees the same
             if params.greedy:
-                token = greedy_tokens(process_logits(logits, params, presence))  # [1]
+                token = greedy_tokens(process_logits(logits, params, presence, counts, position))  # [1]
             else:
-                q = probs_from_logits(logits, params, presence)  # [1, V]
+                q = probs_from_logits(logits, params, presence, counts, position)  # [1, V]
                 token = sample(q, self.generator)  # [1]
                 probs.append(q)
             if presence is not None:
                 presence = presence_rows(presence, token)[-1]
+            if counts is not None:
+                counts = count_rows(counts, token)[-1]
             tokens.append(token)
             feed = token
         draft_tokens = torch.cat(tokens) if tokens else seq.device_ids.new_empty(0)

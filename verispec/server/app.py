@@ -1,38 +1,44 @@
-"""The FastAPI application: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+"""The FastAPI application: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+Every refusal is a 4xx in OpenAI's error format; every request whose client goes away (queued, running,
+streaming or not) is cancelled within one round. The request guard (verispec.server.guard) checks
+headers and bounds the body before any of this runs.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.engine import GenerationResult
 from verispec.pipeline import Pipeline
 from verispec.sampling import SamplingParams
+from verispec.server.guard import Guard, GuardSettings
+from verispec.server.metrics import Metrics
 from verispec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    check_json_shape,
     error_body,
+    unsupported_field,
 )
-from verispec.server.worker import Job, QueueFull, Worker
+from verispec.server.worker import Job, QueueFull, ShuttingDown, Worker
 from verispec.text import encode_messages
+
+RETRY_AFTER_SECONDS = 1
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -44,36 +50,23 @@ class ServerSettings:
     default_max_tokens: int = 512
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")  # "*": any Host header
+    enable_docs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("verispec_requests_total", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.tokens = Counter("verispec_generated_tokens_total", "tokens generated", registry=r)
-        self.drafted = Counter("verispec_drafted_tokens_total", "draft tokens proposed", registry=r)
-        self.accepted = Counter("verispec_accepted_tokens_total", "draft tokens accepted", registry=r)
-        self.acceptance_length = Histogram(
-            "verispec_acceptance_length", "tokens committed per verification round (accepted + 1)",
-            buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 33), registry=r)
-        self.time_per_token = Histogram(
-            "verispec_time_per_output_token_seconds", "generation time per output token",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=r)
-        self.queue_length = Gauge("verispec_queue_length", "requests waiting for the model", registry=r)
-        self.in_progress = Gauge("verispec_requests_in_progress", "requests being served", registry=r)
+        if not self.allowed_hosts:
+            raise ValueError("allowed_hosts is empty: no request could be served (use '*' to allow any)")
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
 
 def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -83,93 +76,154 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[
     return (f"invalid value for '{param}': {err.get('msg')}" if param else str(err.get("msg"))), param
 
 
+def context_length(pipeline: Pipeline) -> int:
+    """Tokens the pair can hold: the target's context, or the draft model's when that is shorter."""
+    n_ctx = pipeline.generator.target.max_length
+    draft = getattr(pipeline.generator.proposer, "model", None)
+    return min(n_ctx, getattr(draft, "max_length", n_ctx))
+
+
+def parse_body(raw: bytes, model_cls):
+    """A validated request model from a raw body, or APIError(400) saying what is wrong with it."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
+    except ValueError:  # bad JSON, bad UTF-8, an integer of thousands of digits
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    problem = check_json_shape(data)
+    if problem:
+        raise APIError(400, problem)
+    field = unsupported_field(data)
+    if field:
+        raise APIError(400, f"'{field}' is not supported by this server", field, "unsupported_parameter")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        message, param = _validation_message(exc)
+        raise APIError(400, message, param) from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
+
+
 def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     metrics = Metrics()
     worker = Worker(pipeline, settings.max_queue, metrics)
     speculative = pipeline.generator.proposer is not None
+    n_ctx = context_length(pipeline)
+    vocab_size = pipeline.generator.target.vocab_size
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verispec-tokenize")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+        app.state.on_exit = lambda: loop.call_soon_threadsafe(worker.refuse_waiting, SHUTDOWN_MESSAGE)
         worker.start()
         yield
-        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        await loop.run_in_executor(None, worker.stop)
+        tokenizing.shutdown(wait=False)
 
-    app = FastAPI(title="verispec", lifespan=lifespan)
+    docs = {} if settings.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="verispec", lifespan=lifespan, **docs)
     app.state.metrics, app.state.worker = metrics, worker
+    app.add_middleware(Guard, settings=GuardSettings(settings.max_body_bytes, settings.api_key,
+                                                     settings.allowed_hosts), app_routes=app, metrics=metrics)
 
     def error(status: int, message: str, param: str | None = None, code: str | None = None,
-              type_: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse(error_body(message, type_, param, code), status_code=status)
+              type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error(exc.status, exc.message, exc.param, exc.code, exc.type)
+        return error(exc.status, exc.message, exc.param, exc.code, exc.type, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
         return error(400, message, param)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        endpoint = request.url.path
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            response = error(413, f"request body larger than {settings.max_body_bytes} bytes")
-        elif settings.api_key and endpoint.startswith("/v1/") and not secrets.compare_digest(
-                request.headers.get("authorization", ""), f"Bearer {settings.api_key}"):
-            response = error(401, "invalid or missing API key", code="invalid_api_key", type_="authentication_error")
-        else:
-            try:
-                response = await call_next(request)
-            except Exception as exc:  # never let one request crash the server
-                response = error(500, f"internal error: {type(exc).__name__}", type_="server_error")
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, str(exc.detail), type_=type_, headers=getattr(exc, "headers", None))
 
-    async def _body(request: Request, model_cls):
-        raw = await request.body()
-        if len(raw) > settings.max_body_bytes:
-            raise APIError(413, f"request body larger than {settings.max_body_bytes} bytes")
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):  # never a plain-text 500
+        return error(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+    async def _tokenize(fn, *args):
+        """Tokenise or template off the event loop: a large prompt must not stall other requests."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
+
+    def _prompt_param(req) -> str:
+        return "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+
+    def _max_tokens(req, n_prompt: int) -> int:
+        """The request's max_tokens, checked against the cap and the context (vLLM's rule: prompt plus
+        completion must fit); unasked, the default clipped to what the context has left."""
+        if n_prompt > settings.max_prompt_tokens or n_prompt >= n_ctx:
+            limit = min(settings.max_prompt_tokens, n_ctx - 1)
+            raise APIError(400, f"This model's maximum context length is {n_ctx} tokens and prompts may have at most "
+                                f"{limit} tokens; your prompt has {n_prompt} tokens.", _prompt_param(req),
+                           "context_length_exceeded")
+        asked = req.requested_max_tokens()
+        if asked is None:
+            return min(settings.default_max_tokens, n_ctx - n_prompt)
+        if asked > settings.max_tokens_cap:
+            raise APIError(400, f"max_tokens is {asked}; the limit is {settings.max_tokens_cap}", "max_tokens")
+        if n_prompt + asked > n_ctx:
+            raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                                f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} for the completion). "
+                                f"Please reduce the length of the prompt or completion.", "max_tokens",
+                           "context_length_exceeded")
+        return asked
+
+    def _params(req) -> SamplingParams:
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the body must be a JSON object")
-        try:
-            return model_cls.model_validate(data)
-        except ValidationError as exc:
-            message, param = _validation_message(exc)
-            raise APIError(400, message, param) from None
+            return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                                  repetition_penalty=req.repetition_penalty, seed=req.seed,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                  min_tokens=req.min_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
 
     def _job(req, prompt_ids: list[int]) -> Job:
         if req.model not in settings.model_names:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                                 f"{', '.join(settings.model_names)}", "model", "model_not_found")
-        if len(prompt_ids) > settings.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the limit is {settings.max_prompt_tokens}",
-                           "messages" if isinstance(req, ChatCompletionRequest) else "prompt", "context_length_exceeded")
-        max_tokens = req.requested_max_tokens() or settings.default_max_tokens
-        if max_tokens > settings.max_tokens_cap:
-            raise APIError(400, f"max_tokens is {max_tokens}; the limit is {settings.max_tokens_cap}", "max_tokens")
+        max_tokens = _max_tokens(req, len(prompt_ids))
         if req.drafter not in (None, "none") and req.drafter != pipeline.drafter:
             raise APIError(400, f"this server drafts with '{pipeline.drafter}'; ask for that or 'none'", "drafter")
+        stop_ids = tuple(req.stop_token_ids or ())
+        if any(t >= vocab_size for t in stop_ids):
+            raise APIError(400, f"a stop token id is outside the vocabulary of {vocab_size}", "stop_token_ids")
+        logprobs = req.logprobs_count()
+        if logprobs is not None and req.stream:
+            raise APIError(400, "logprobs are not supported when streaming", "logprobs")
         k = 0 if req.drafter == "none" else req.num_draft_tokens
         if k is None:
             k = pipeline.generator.num_draft_tokens if speculative else 0
-        try:
-            params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                                    repetition_penalty=req.repetition_penalty, seed=req.seed)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
-        return Job(prompt_ids, params, max_tokens, k, req.stop_list(), asyncio.get_running_loop())
+        return Job(prompt_ids, _params(req), max_tokens, k, req.stop_list(), asyncio.get_running_loop(),
+                   stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
 
     def _submit(job: Job) -> None:
         try:
             worker.submit(job)
         except QueueFull as exc:
-            raise APIError(429 if "busy" in str(exc) else 503, str(exc), code="server_busy", type_="server_error")
+            raise APIError(429, str(exc), code="server_busy", type_="server_error",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except ShuttingDown as exc:
+            raise APIError(503, str(exc), code="server_unavailable", type_="server_error") from None
+
+    async def _watch_disconnect(request: Request, job: Job) -> None:
+        """Wait for the client to go away (the body is read, so the next message is the disconnect), then
+        cancel the job and wake its reader."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        worker.cancel(job)
+        job.events.put_nowait(("cancelled", None))
 
     def _usage(job: Job, result: GenerationResult) -> dict:
         n_prompt, n_new = len(job.prompt_ids), len(result.token_ids)
@@ -181,40 +235,70 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
                 "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
                 "tokens_per_second": s.tokens_per_second}
 
+    def _token_text(token: int) -> str:
+        return pipeline.tokenizer.decode([token])
+
+    def _logprobs(result: GenerationResult, chat: bool) -> dict | None:
+        """OpenAI's logprobs object from the target's processed distribution at each generated position."""
+        if result.logprobs is None:
+            return None
+        entries = list(zip(result.token_ids, result.logprobs))
+        if chat:
+            def item(token: int, logprob: float) -> dict:
+                text = _token_text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [item(t, lp) | {"top_logprobs": [item(a, alp) for a, alp in top]}
+                                for t, (lp, top) in entries]}
+        tokens = [_token_text(t) for t, _ in entries]
+        offsets = [0]
+        for text in tokens[:-1]:
+            offsets.append(offsets[-1] + len(text))
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
+                "top_logprobs": [{_token_text(a): alp for a, alp in top} for _, (_, top) in entries],
+                "text_offset": offsets}
+
+    async def _wait(request: Request, job: Job):
+        """(kind, payload) of the job's last event: done, error, unavailable or cancelled."""
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind != "delta":
+                    return kind, payload
+        finally:
+            watcher.cancel()
+            worker.cancel(job)
+
     async def _serve(request: Request, req, job: Job, chat: bool):
         _submit(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(job, rid, created, req.model, chat, include_usage),
+            return StreamingResponse(_stream(request, job, rid, created, req.model, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         metrics.in_progress.inc()
         try:
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancelled.set()
-                        return Response(status_code=499)
-                    continue
-                if kind == "error":
-                    raise APIError(503, payload, type_="server_error")
-                if kind == "done":
-                    break
+            kind, payload = await _wait(request, job)
         finally:
             metrics.in_progress.dec()
-            job.cancelled.set()
+        if kind == "cancelled":
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        if kind == "unavailable":
+            raise APIError(503, payload, code="server_unavailable", type_="server_error")
+        if kind == "error":
+            raise APIError(500, payload, type_="server_error")
         result: GenerationResult = payload
         choice = ({"index": 0, "message": {"role": "assistant", "content": job.text}} if chat
-                  else {"index": 0, "text": job.text, "logprobs": None})
+                  else {"index": 0, "text": job.text})
+        choice["logprobs"] = _logprobs(result, chat)
         choice["finish_reason"] = result.finish_reason
-        return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
-                "usage": _usage(job, result), "verispec": _spec(result)}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": req.model, "choices": [choice], "usage": _usage(job, result), "verispec": _spec(result)}
 
-    async def _stream(job: Job, rid: str, created: int, model: str, chat: bool, include_usage: bool):
+    async def _stream(request: Request, job: Job, rid: str, created: int, model: str, chat: bool,
+                      include_usage: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
@@ -229,6 +313,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
             return f"data: {json.dumps(body)}\n\n"
 
         metrics.in_progress.inc()
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
             if chat:
                 yield chunk(None, first=True)
@@ -236,7 +321,9 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
                 kind, payload = await job.events.get()
                 if kind == "delta":
                     yield chunk(payload)
-                elif kind == "error":
+                elif kind == "cancelled":
+                    return
+                elif kind in ("error", "unavailable"):
                     yield f"data: {json.dumps(error_body(payload, 'server_error'))}\n\n"
                     break
                 else:
@@ -251,30 +338,38 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
                     break
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away: the worker stops at its next round
-            job.cancelled.set()
+            watcher.cancel()
+            worker.cancel(job)
             metrics.in_progress.dec()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = await _body(request, ChatCompletionRequest)
+    def _chat_prompt(req: ChatCompletionRequest) -> list[int]:
         try:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in req.messages]
-            prompt_ids = encode_messages(pipeline.tokenizer, messages)
+            return encode_messages(pipeline.tokenizer, messages)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from None
         except Exception as exc:  # a chat template that rejects this conversation (e.g. role order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
-        return await _serve(request, req, _job(req, prompt_ids), chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = await _body(request, CompletionRequest)
+    def _completion_prompt(req: CompletionRequest) -> list[int]:
         if not req.prompt:
             raise APIError(400, "the prompt is empty", "prompt")
         prompt_ids = list(pipeline.tokenizer(req.prompt).input_ids)
         if not prompt_ids:
             raise APIError(400, "the prompt is empty after tokenisation", "prompt")
+        return prompt_ids
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_body(await request.body(), ChatCompletionRequest)
+        prompt_ids = await _tokenize(_chat_prompt, req)
+        return await _serve(request, req, _job(req, prompt_ids), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_body(await request.body(), CompletionRequest)
+        prompt_ids = await _tokenize(_completion_prompt, req)
         return await _serve(request, req, _job(req, prompt_ids), chat=False)
 
     @app.get("/v1/models")
@@ -284,7 +379,10 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "queue_length": worker.jobs.qsize(), "busy": worker.current is not None}
+        alive = worker.alive
+        body = {"status": "ok" if alive else "unhealthy", "queue_length": len(worker.jobs),
+                "busy": worker.current is not None}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -1,15 +1,74 @@
-"""OpenAI request models (pydantic) and OpenAI-style error bodies."""
+"""OpenAI request models (pydantic), OpenAI-style error bodies, and the checks a parsed body must pass.
+
+Fields that would change a request's meaning are either honoured or refused with a 400 naming them;
+only fields that change nothing (e.g. `user`) are ignored.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+INT64 = 1 << 63
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_JSON_DEPTH = 32  # a request body nested deeper than this is refused before validation
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _default(value, *defaults) -> bool:
+    return value is None or any(value == d for d in defaults)
+
+
+# field -> is this value one that changes nothing (so it may be accepted and ignored)?
+UNSUPPORTED = {
+    "tools": lambda v: _default(v, []),
+    "tool_choice": lambda v: _default(v, "none"),
+    "functions": lambda v: _default(v, []),
+    "function_call": lambda v: _default(v, "none"),
+    "response_format": lambda v: _default(v, {"type": "text"}),
+    "logit_bias": lambda v: _default(v, {}),
+    "best_of": lambda v: _default(v, 1),
+    "echo": lambda v: _default(v, False),
+    "suffix": lambda v: _default(v, ""),
+    "prompt_logprobs": lambda v: _default(v, 0),
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+}
+
+
+def unsupported_field(data: dict) -> str | None:
+    """The first field of `data` that asks for something this server does not do, else None."""
+    return next((name for name, harmless in UNSUPPORTED.items() if name in data and not harmless(data[name])), None)
+
+
+def check_json_shape(data, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """Why a parsed body is unacceptable (nested too deep, a string that is not valid Unicode), else None."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > max_depth:
+                return f"the body is nested deeper than {max_depth} levels"
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    stack.append((key, depth))
+                stack.append((item, depth + 1))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return "the body contains a string that is not valid Unicode (a lone surrogate)"
+    return None
 
 
 class ContentPart(BaseModel):
@@ -39,7 +98,7 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI does."""
+    """Fields shared by both endpoints. Unknown fields that change nothing are ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
@@ -48,31 +107,45 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="only n = 1 is supported")
     stream_options: StreamOptions | None = None
-    logprobs: bool | None = None
-    # extensions
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # extensions (vLLM's names)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     num_draft_tokens: int | None = Field(None, ge=0, le=32)
     drafter: Literal["model", "ngram", "hybrid", "none"] | None = None
 
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, v):
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
+    def _bounded_stop(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence must have 1 to {MAX_STOP_CHARS} characters")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("stop_token_ids")
     @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
+    def _non_negative_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids are >= 0")
         return v
+
+    @model_validator(mode="after")
+    def _min_within_max(self):
+        limit = self.requested_max_tokens()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is larger than max_tokens ({limit})")
+        return self
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -82,13 +155,29 @@ class SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprobs_count(self) -> int | None:
+        """None: no logprobs; n >= 0: the chosen token's logprob and the n most likely alternatives."""
+        raise NotImplementedError
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)
 
     @field_validator("prompt")
     @classmethod
@@ -98,3 +187,6 @@ class CompletionRequest(SamplingFields):
                 raise ValueError("exactly one prompt is supported")
             return v[0]
         return v
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs

@@ -9,8 +9,9 @@ import uvicorn
 
 
 class GracefulServer(uvicorn.Server):
-    """SIGTERM/SIGINT: stop accepting, let in-flight requests finish (up to the graceful timeout), shut the
-    worker down, and return normally (uvicorn itself would re-raise the signal after shutting down)."""
+    """SIGTERM/SIGINT: stop accepting, answer the requests still waiting for the model with 503 at once
+    (the app's `state.on_exit`), let running ones finish (up to the graceful timeout), shut the worker down,
+    and return normally (uvicorn itself would re-raise the signal after shutting down)."""
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -21,7 +22,15 @@ class GracefulServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def handle_exit(self, sig, frame) -> None:
+        on_exit = getattr(self.config.app.state, "on_exit", None)
+        if on_exit is not None:
+            on_exit()
+        super().handle_exit(sig, frame)
 
-def serve(app, host: str, port: int, log_level: str = "info", graceful_timeout: int = 30) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout)
+
+def serve(app, host: str, port: int, log_level: str = "info", graceful_timeout: int = 30,
+          limit_concurrency: int | None = None) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
+                            limit_concurrency=limit_concurrency)
     GracefulServer(config).run()
