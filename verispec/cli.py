@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
@@ -280,6 +281,24 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from verispec.export import ExportSpec, export, locate
+    from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    target = args.target or DEFAULT_TARGET
+    draft = None if args.drafter == "ngram" else args.draft or (DEFAULT_DRAFT if args.target is None else None)
+    if args.drafter != "ngram" and draft is None:
+        raise ValueError("no draft model: pass --draft (or --drafter ngram)")
+    spec = ExportSpec(
+        target=locate(args.engine, target), draft=locate(args.engine, draft) if draft else None,
+        drafter=args.drafter, k=args.num_draft_tokens, draft_vocab=args.draft_vocab,
+        tensor_parallel_size=args.tensor_parallel_size, draft_tensor_parallel_size=args.draft_tensor_parallel_size,
+        host=args.host, port=args.port, gpu_layers=args.gpu_layers, extra=tuple(shlex.split(args.engine_args)),
+    )
+    print(export(args.engine, spec).render())
+    return 0
+
+
 def _progress_printer():
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -406,6 +425,28 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info")
     _add_model_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+    ex = sub.add_parser("export", help="the launch command for vLLM, SGLang or llama-server with the same speculative "
+                                       "settings (for more GPUs, machines or users than one process serves)")
+    ex.add_argument("engine", choices=["vllm", "sglang", "llama-server"])
+    ex.add_argument("--target", help="target model: known name (its cached HF directory, or GGUF for llama-server), "
+                                     "HF directory, .gguf file or hub id (default: the default pair)")
+    ex.add_argument("--draft", help="draft model (same forms); default: the default pair's draft")
+    ex.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
+                    help="model: the draft LM; ngram: prompt lookup; hybrid: exported as the draft LM (default model)")
+    ex.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=4,
+                    help="draft tokens per round, or 'auto' (exported as 4: no engine has cost-aware k) (default 4)")
+    ex.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="verispec's reduced draft vocabulary (reported as having no equivalent)")
+    ex.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the target is split over")
+    ex.add_argument("--draft-tensor-parallel-size", type=int, help="vLLM: GPUs for the draft (1 or the target's)")
+    ex.add_argument("--gpu-layers", type=int, help="llama-server: layers offloaded to the GPU (-ngl/-ngld), e.g. 99")
+    ex.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    ex.add_argument("--port", type=int, default=8000)
+    ex.add_argument("--engine-args", default="", metavar="ARGS",
+                    help="more flags passed to the engine verbatim, as one shell-quoted string, e.g. "
+                         "'--max-model-len 8192'")
+    ex.set_defaults(func=cmd_export)
 
     m = sub.add_parser("models", help="install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])
