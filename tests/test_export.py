@@ -50,6 +50,7 @@ def test_sglang_standalone_chain():
 def test_llama_server_draft_and_ngram():
     argv = export("llama-server", ExportSpec(target="/m/t.gguf", draft="/m/d.gguf", k=6, gpu_layers=99)).argv
     assert argv[:3] == ("llama-server", "-m", "/m/t.gguf")
+    assert _flag(argv, "--spec-type") == "draft-simple"
     assert (_flag(argv, "-md"), _flag(argv, "--spec-draft-n-max"), _flag(argv, "--spec-draft-n-min"),
             _flag(argv, "--draft-p-min"), _flag(argv, "-ngl"), _flag(argv, "-ngld")) == (
         "/m/d.gguf", "6", "0", "0", "99", "99")

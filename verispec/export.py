@@ -16,7 +16,7 @@ Each flag was checked against the engine's own documentation or source:
   `--speculative-num-draft-tokens` (with topk 1 it is num_steps + 1),
   `--speculative-ngram-{min,max}-match-window-size`, `--speculative-ngram-max-bfs-breadth`; `--tp-size`.
 - llama.cpp's llama-server (master, commit 00dc8057: tools/server/README.md): `-m`, `-md` (`--model-draft`),
-  `--spec-draft-n-max`, `--spec-draft-n-min`, `--draft-p-min`, `--spec-type ngram-simple`,
+  `--spec-draft-n-max`, `--spec-draft-n-min`, `--draft-p-min`, `--spec-type draft-simple|ngram-simple`,
   `--spec-ngram-simple-size-n`, `--spec-ngram-simple-size-m`, `-ngl`, `-ngld`, `-sm row`, `--host`, `--port`.
   Builds before the spec-* rename (e.g. commit 25d5b0c5) spell the draft length `--draft-max`/`--draft-min`
   and have no n-gram drafting in the server; `-md`, `--draft-p-min`, `-ngl` and `-ngld` are in both.
@@ -161,9 +161,10 @@ def llama_server(spec: ExportSpec) -> Launch:
         argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NGRAM_MAX),
                  "--spec-ngram-simple-size-m", str(k)]
     else:
-        notes.append(f"builds before the spec-* options: --draft-max {k} --draft-min 0 instead of "
-                     "--spec-draft-n-max/--spec-draft-n-min")
-        argv += ["-md", spec.draft, "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--draft-p-min", "0"]
+        notes.append(f"builds before the spec-* options: no --spec-type, and --draft-max {k} --draft-min 0 instead "
+                     "of --spec-draft-n-max/--spec-draft-n-min")
+        argv += ["-md", spec.draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
+                 "--spec-draft-n-min", "0", "--draft-p-min", "0"]
         if spec.gpu_layers is not None:
             argv += ["-ngld", str(spec.gpu_layers)]
     return Launch(tuple(argv + list(spec.extra)), tuple(notes))
