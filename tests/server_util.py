@@ -62,3 +62,29 @@ def metric(url: str, name: str, labels: str = "") -> float:
 def series_count(url: str) -> int:
     """Number of samples /metrics exposes (each label set of each metric counts)."""
     return sum(1 for line in httpx.get(url + "/metrics").text.splitlines() if line and not line.startswith("#"))
+
+
+class CommandServer:
+    """Any server command (e.g. `python -m llama_cpp.server`) on a free loopback port: `argv` may contain
+    '{port}'; ready once GET `ready_path` answers 200."""
+
+    def __init__(self, argv: list[str], ready_path: str = "/v1/models", timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([a.replace("{port}", str(self.port)) for a in argv],
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + ready_path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not start in time")
+
+    stop = ServerProcess.stop

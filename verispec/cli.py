@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
@@ -163,7 +164,88 @@ def _k_list(text: str) -> list[int | str]:
     return ks
 
 
+def _bench_prompts(args) -> list:
+    from verispec.bench.loader import load_prompts, select
+
+    prompts = load_prompts(args.prompts)
+    if args.categories:
+        wanted = {c.strip() for c in args.categories.split(",") if c.strip()}
+        unknown = wanted - {p.category for p in prompts}
+        if unknown:
+            raise ValueError(f"no prompts in categories {sorted(unknown)} (have: {sorted({p.category for p in prompts})})")
+        prompts = [p for p in prompts if p.category in wanted]
+    prompts = select(prompts, args.limit, args.per_category)
+    if not prompts:
+        raise ValueError("no prompts selected")
+    return prompts
+
+
+def _endpoint_sampling(args) -> dict:
+    """The OpenAI request fields for the command line's sampling settings."""
+    _sampling(args)  # the same checks as a local run
+    local_only = [name for name, default in (("--top-k", 0), ("--min-p", 0.0), ("--repetition-penalty", 1.0))
+                  if getattr(args, name[2:].replace("-", "_")) != default]
+    if local_only:
+        raise ValueError(f"{', '.join(local_only)}: not OpenAI request fields, so not sent to an endpoint")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    if args.stop:
+        sampling["stop"] = args.stop
+    return sampling
+
+
+def cmd_bench_endpoints(args) -> int:
+    """`verispec bench --endpoint URL ...`: the prompt set against OpenAI-compatible servers, one table."""
+    import datetime
+
+    from rich.console import Console
+
+    from verispec.bench.endpoint import (
+        EndpointError,
+        build_endpoint_report,
+        parse_endpoint,
+        render_endpoint_table,
+        run_endpoints,
+    )
+
+    local = [flag for flag, value in (("--target", args.target), ("--draft", args.draft), ("--compare", args.compare),
+                                      ("--draft-variants", args.draft_variants)) if value]
+    if local:
+        raise ValueError(f"--endpoint benchmarks servers only: drop {', '.join(local)}")
+    sampling = _endpoint_sampling(args)
+    prompts = _bench_prompts(args)
+    endpoints = [parse_endpoint(text, args.endpoint_api_key) for text in args.endpoint]
+    console = _stderr_console()
+
+    def on_run(r) -> None:
+        state = f"{r.tokens_per_second:.1f} tok/s" if r.ok else f"FAILED: {r.error}"
+        console.print(f"bench {r.config} {r.prompt_id}: {state}", highlight=False, markup=False, soft_wrap=True)
+
+    try:
+        runs, models = run_endpoints(endpoints, prompts, sampling, args.max_new_tokens, warmup=args.warmup,
+                                     on_run=on_run)
+    except EndpointError as exc:
+        raise ValueError(str(exc)) from None
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
+        "sampling": "greedy" if args.temperature == 0 else f"T={args.temperature} top_p={args.top_p}",
+        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
+    }
+    report = build_endpoint_report(runs, endpoints, models, meta)
+    Console(width=200).print(render_endpoint_table(report))
+    document = json.dumps(report)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(document + "\n")
+    print(document)
+    return 0
+
+
 def cmd_bench(args) -> int:
+    if args.endpoint:
+        return cmd_bench_endpoints(args)
     import datetime
     import platform
 
@@ -178,22 +260,12 @@ def cmd_bench(args) -> int:
     )
 
     from verispec.bench.harness import Config, add_draft_variants, run_benchmark
-    from verispec.bench.loader import load_prompts, select
     from verispec.bench.report import build_report, render_table, write_plots
     from verispec.pipeline import build_pipeline, default_refs, parse_draft_variant
 
     params = _sampling(args)
     ks = _k_list(args.num_draft_tokens)
-    prompts = load_prompts(args.prompts)
-    if args.categories:
-        wanted = {c.strip() for c in args.categories.split(",") if c.strip()}
-        unknown = wanted - {p.category for p in prompts}
-        if unknown:
-            raise ValueError(f"no prompts in categories {sorted(unknown)} (have: {sorted({p.category for p in prompts})})")
-        prompts = [p for p in prompts if p.category in wanted]
-    prompts = select(prompts, args.limit, args.per_category)
-    if not prompts:
-        raise ValueError("no prompts selected")
+    prompts = _bench_prompts(args)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
@@ -309,6 +381,24 @@ def _allowed_hosts(bind: str, given: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys((bind.lower().strip("[]"), *loopback)))
 
 
+def cmd_export(args) -> int:
+    from verispec.export import ExportSpec, export, locate
+    from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    target = args.target or DEFAULT_TARGET
+    draft = None if args.drafter == "ngram" else args.draft or (DEFAULT_DRAFT if args.target is None else None)
+    if args.drafter != "ngram" and draft is None:
+        raise ValueError("no draft model: pass --draft (or --drafter ngram)")
+    spec = ExportSpec(
+        target=locate(args.engine, target), draft=locate(args.engine, draft) if draft else None,
+        drafter=args.drafter, k=args.num_draft_tokens, draft_vocab=args.draft_vocab,
+        tensor_parallel_size=args.tensor_parallel_size, draft_tensor_parallel_size=args.draft_tensor_parallel_size,
+        host=args.host, port=args.port, gpu_layers=args.gpu_layers, extra=tuple(shlex.split(args.engine_args)),
+    )
+    print(export(args.engine, spec).render())
+    return 0
+
+
 def _progress_printer():
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -403,6 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run an external reference: hf = Hugging Face assisted generation, "
                         "hf-lookup = its prompt lookup decoding, llama = llama-cpp-python's own decoding of the "
                         "target's GGUF, llama-lookup = its prompt lookup decoding (repeatable)")
+    b.add_argument("--endpoint", action="append", default=[], metavar="[NAME=]URL",
+                   help="benchmark an OpenAI-compatible server instead of local configurations (repeatable; "
+                        "interleaved prompt by prompt, the first is the baseline), e.g. "
+                        "verispec=http://127.0.0.1:8000/v1")
+    b.add_argument("--endpoint-api-key", help="bearer token sent to the endpoints")
     b.add_argument("--json-out", help="also write the JSON document to this file")
     b.add_argument("--plot-dir", help="write PNG plots here")
     b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")
@@ -440,6 +535,28 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info")
     _add_model_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+    ex = sub.add_parser("export", help="the launch command for vLLM, SGLang or llama-server with the same speculative "
+                                       "settings (for more GPUs, machines or users than one process serves)")
+    ex.add_argument("engine", choices=["vllm", "sglang", "llama-server"])
+    ex.add_argument("--target", help="target model: known name (its cached HF directory, or GGUF for llama-server), "
+                                     "HF directory, .gguf file or hub id (default: the default pair)")
+    ex.add_argument("--draft", help="draft model (same forms); default: the default pair's draft")
+    ex.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
+                    help="model: the draft LM; ngram: prompt lookup; hybrid: exported as the draft LM (default model)")
+    ex.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=4,
+                    help="draft tokens per round, or 'auto' (exported as 4: no engine has cost-aware k) (default 4)")
+    ex.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="verispec's reduced draft vocabulary (reported as having no equivalent)")
+    ex.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the target is split over")
+    ex.add_argument("--draft-tensor-parallel-size", type=int, help="vLLM: GPUs for the draft (1 or the target's)")
+    ex.add_argument("--gpu-layers", type=int, help="llama-server: layers offloaded to the GPU (-ngl/-ngld), e.g. 99")
+    ex.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    ex.add_argument("--port", type=int, default=8000)
+    ex.add_argument("--engine-args", default="", metavar="ARGS",
+                    help="more flags passed to the engine verbatim, as one shell-quoted string, e.g. "
+                         "'--max-model-len 8192'")
+    ex.set_defaults(func=cmd_export)
 
     m = sub.add_parser("models", help="install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])
