@@ -104,8 +104,8 @@ def test_top_p_on_the_draft_sample_but_not_on_its_q(monkeypatch, pair):
     real_probs, real_sample = draft_module.probs_from_logits, draft_module.sample
     top_p = 0.6
 
-    def unfiltered(logits, params, presence=None):
-        return real_probs(logits, dataclasses.replace(params, top_p=1.0), presence)
+    def unfiltered(logits, params, *rest, **kwargs):
+        return real_probs(logits, dataclasses.replace(params, top_p=1.0), *rest, **kwargs)
 
     def sample_from_nucleus(q, generator):
         nucleus = sampling._filter_top_p(q.log(), top_p).softmax(dim=-1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -233,6 +234,41 @@ def test_queue_full_is_429_with_retry_after(server):
     for t in threads:
         t.join()
     assert results == [None, None]
+
+
+def test_requests_beyond_the_concurrency_limit_get_429_json(tmp_path_factory):
+    """--limit-concurrency 2: two requests held open (bodies stalled mid-way) fill it; a third gets 429 in
+    OpenAI's format with Retry-After (uvicorn's own limit, a plain-text 503, sits above as a backstop); once
+    they go away the server serves again."""
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp("limit"))
+    srv = ServerProcess(["--target", target, "--draft", draft, "--dtype", "fp32", "--served-model-name", MODEL,
+                         "--limit-concurrency", "2"])
+    host, port = srv.url.removeprefix("http://").split(":")
+    held = []
+    try:
+        for _ in range(2):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+            held.append(sock)
+        deadline, r = time.time() + 10, None
+        while time.time() < deadline:
+            r = httpx.post(srv.url + C, json=COMPLETION)
+            if r.status_code == 429:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 429 and r.headers["retry-after"].isdigit()
+        assert _assert_openai_error(r)["code"] == "too_many_requests"
+    finally:
+        for sock in held:
+            sock.close()
+    try:
+        deadline = time.time() + 10
+        while (r := httpx.post(srv.url + C, json=COMPLETION)).status_code == 429 and time.time() < deadline:
+            time.sleep(0.1)
+        assert r.status_code == 200
+    finally:
+        srv.stop()
 
 
 def test_server_still_serves(server):

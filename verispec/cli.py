@@ -351,10 +351,11 @@ def cmd_serve(args) -> int:
     settings = ServerSettings(model_names=names, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                               max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
                               max_body_bytes=args.max_body_bytes, api_key=api_key, allowed_hosts=hosts,
-                              enable_docs=args.enable_docs)
+                              enable_docs=args.enable_docs, max_in_flight=args.limit_concurrency)
     app = create_app(pipe, settings)
     print(f"verispec serve: {', '.join(names)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    serve(app, args.host, args.port, args.log_level, limit_concurrency=args.limit_concurrency)
+    # uvicorn counts a connection and its task, and answers its own limit in plain text: a backstop above ours
+    serve(app, args.host, args.port, args.log_level, limit_concurrency=2 * args.limit_concurrency + 16)
     print("verispec serve: stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -525,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "default: the bind address, with localhost names for a loopback one)")
     sv.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     sv.add_argument("--limit-concurrency", type=int, default=256,
-                    help="open connections beyond this get 503 from uvicorn (default 256)")
+                    help="requests handled at once (streams included); beyond it 429 with Retry-After (default 256)")
     sv.add_argument("--served-model-name", help="the model name clients use (the target's name is always accepted)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429 (default 64)")
     sv.add_argument("--max-prompt-tokens", type=int, default=8192)

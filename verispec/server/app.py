@@ -52,9 +52,11 @@ class ServerSettings:
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")  # "*": any Host header
     enable_docs: bool = False
+    max_in_flight: int = 256  # requests handled at once (streams included); beyond it 429
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens", "max_body_bytes"):
+        for name in ("max_queue", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens", "max_body_bytes",
+                     "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.allowed_hosts:
@@ -128,8 +130,9 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     docs = {} if settings.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="verispec", lifespan=lifespan, **docs)
     app.state.metrics, app.state.worker = metrics, worker
-    app.add_middleware(Guard, settings=GuardSettings(settings.max_body_bytes, settings.api_key,
-                                                     settings.allowed_hosts), app_routes=app, metrics=metrics)
+    guard = GuardSettings(settings.max_body_bytes, settings.api_key, settings.allowed_hosts, settings.max_in_flight,
+                          RETRY_AFTER_SECONDS)
+    app.add_middleware(Guard, settings=guard, app_routes=app, metrics=metrics)
 
     def error(status: int, message: str, param: str | None = None, code: str | None = None,
               type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:

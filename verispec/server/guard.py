@@ -3,8 +3,9 @@
 It answers, before the application sees a request: a Host header not in the allow-list (a web page that
 rebinds a DNS name to 127.0.0.1), a POST that is not application/json (a page's cross-site "simple"
 request), a missing or wrong API key, and a body over the limit, counted while it is read (a chunked body
-has no Content-Length). It counts every response under its route template, so unknown paths share one
-metric series. Being plain ASGI (no BaseHTTPMiddleware), it passes the client's disconnect through.
+has no Content-Length), and a request beyond `max_in_flight` at once (429 with Retry-After, in JSON like
+every refusal: uvicorn's own concurrency limit, set above this one as a backstop, answers a plain-text
+503). It counts every response under its route template, so unknown paths share one metric series. Being plain ASGI (no BaseHTTPMiddleware), it passes the client's disconnect through.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ class GuardSettings:
     max_body_bytes: int
     api_key: str | None
     allowed_hosts: tuple[str, ...]  # host names without port; "*" allows any
+    max_in_flight: int = 0  # requests handled at once beyond which a new one gets 429; 0: no limit
+    retry_after_seconds: int = 1
 
 
 class Refused(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
 
 
 def host_name(host: str) -> str:
@@ -41,9 +44,10 @@ def host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-async def _send_error(send, status: int, message: str, type_: str, code: str | None) -> None:
+async def _send_error(send, status: int, message: str, type_: str, code: str | None,
+                      extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     body = json.dumps(error_body(message, type_, None, code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra_headers]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -52,6 +56,7 @@ class Guard:
     def __init__(self, app, settings: GuardSettings, app_routes, metrics) -> None:
         self.app, self.settings, self.routes_of, self.metrics = app, settings, app_routes, metrics
         self._expected_auth = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self._in_flight = 0  # requests past the checks, not yet answered (one event loop: no lock needed)
 
     def _route(self, scope) -> str:
         """The template of the route the path belongs to (also when only the method is wrong), else one label."""
@@ -63,6 +68,10 @@ class Guard:
 
     def _check_headers(self, scope, headers: dict[bytes, bytes]) -> None:
         s = self.settings
+        if s.max_in_flight and self._in_flight >= s.max_in_flight:
+            raise Refused(429, f"the server is handling {s.max_in_flight} requests; retry shortly",
+                          "rate_limit_error", "too_many_requests",
+                          ((b"retry-after", str(s.retry_after_seconds).encode()),))
         if "*" not in s.allowed_hosts and host_name(headers.get(b"host", b"").decode("latin-1")) not in s.allowed_hosts:
             raise Refused(400, "the Host header is not one this server answers to (see --allowed-hosts)")
         path = scope["path"]
@@ -106,16 +115,24 @@ class Guard:
 
         try:
             self._check_headers(scope, dict(scope["headers"]))
-            body = await self._read_body(receive) if scope["method"] in ("POST", "PUT", "PATCH") else b""
-            if body is None:
-                return
         except Refused as exc:
-            await _send_error(counted_send, exc.status, exc.message, exc.type, exc.code)
-        else:
-            await self.app(scope, _replay(body, receive), counted_send)
+            await _send_error(counted_send, exc.status, exc.message, exc.type, exc.code, exc.headers)
+            self._count(route, status[0])
+            return
+        self._in_flight += 1
+        try:
+            body = await self._read_body(receive) if scope["method"] in ("POST", "PUT", "PATCH") else b""
+            if body is not None:
+                await self.app(scope, _replay(body, receive), counted_send)
+        except Refused as exc:
+            await _send_error(counted_send, exc.status, exc.message, exc.type, exc.code, exc.headers)
         finally:
-            if status[0]:
-                self.metrics.requests.labels(route, str(status[0])).inc()
+            self._in_flight -= 1
+            self._count(route, status[0])
+
+    def _count(self, route: str, status: int) -> None:
+        if status:
+            self.metrics.requests.labels(route, str(status)).inc()
 
 
 def _replay(body: bytes, receive):
