@@ -235,11 +235,7 @@ def cmd_bench_endpoints(args) -> int:
     }
     report = build_endpoint_report(runs, endpoints, models, meta)
     Console(width=200).print(render_endpoint_table(report))
-    document = json.dumps(report)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(document + "\n")
-    print(document)
+    _emit_json(report, args.json_out)
     return 0
 
 
@@ -329,12 +325,17 @@ def cmd_bench(args) -> int:
     Console(width=200).print(render_table(report))
     if args.plot_dir:
         report["plots"] = [str(p) for p in write_plots(report, args.plot_dir)]
+    _emit_json(report, args.json_out)
+    return 0
+
+
+def _emit_json(report: dict, json_out: str | None) -> None:
+    """The report as one JSON line on stdout, and into `json_out` when given."""
     document = json.dumps(report)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
+    if json_out:
+        with open(json_out, "w") as f:
             f.write(document + "\n")
     print(document)
-    return 0
 
 
 def cmd_serve(args) -> int:
