@@ -243,6 +243,14 @@ def test_requests_beyond_the_concurrency_limit_get_429_json(tmp_path_factory):
     target, draft = save_tiny_pair(tmp_path_factory.mktemp("limit"))
     srv = ServerProcess(["--target", target, "--draft", draft, "--dtype", "fp32", "--served-model-name", MODEL,
                          "--limit-concurrency", "2"])
+    try:
+        _fill_and_drain(srv)
+    finally:
+        srv.stop()
+
+
+def _fill_and_drain(srv: ServerProcess) -> None:
+    """Two stalled bodies fill a limit of 2: the next request gets 429; once they close, 200."""
     host, port = srv.url.removeprefix("http://").split(":")
     held = []
     try:
@@ -262,13 +270,10 @@ def test_requests_beyond_the_concurrency_limit_get_429_json(tmp_path_factory):
     finally:
         for sock in held:
             sock.close()
-    try:
-        deadline = time.time() + 10
-        while (r := httpx.post(srv.url + C, json=COMPLETION)).status_code == 429 and time.time() < deadline:
-            time.sleep(0.1)
-        assert r.status_code == 200
-    finally:
-        srv.stop()
+    deadline = time.time() + 10
+    while (r := httpx.post(srv.url + C, json=COMPLETION)).status_code == 429 and time.time() < deadline:
+        time.sleep(0.1)
+    assert r.status_code == 200
 
 
 def test_server_still_serves(server):
