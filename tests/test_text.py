@@ -28,19 +28,25 @@ def test_streamed_pieces_concatenate_to_text(tok, text, chunk):
     assert all("\ufffd" not in p for p in pieces)
 
 
-@pytest.mark.parametrize("chunk", [1, 4])
-def test_stop_string_cuts_text_and_tokens(tok, chunk):
-    text = "one two STOP three"
-    ids = tok(text).input_ids
-    asm = TextAssembler(tok, stop=["STOP", "never"])
-    shown = []
-    keep = None
+def _stream_until_stop(asm: TextAssembler, ids: list[int], chunk: int) -> tuple[list[str], int | None]:
+    """Commit `chunk` tokens at a time, as a round does, until the engine's stop callback fires. Returns the
+    pieces shown (the final flush included) and how many tokens the callback kept."""
+    shown, keep = [], None
     for i in range(0, len(ids), chunk):
         shown.append(asm.push(ids[i : i + chunk]))
         keep = asm.stop_index(ids[: i + chunk])
         if keep is not None:
             break
     shown.append(asm.finish())
+    return shown, keep
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_stop_string_cuts_text_and_tokens(tok, chunk):
+    text = "one two STOP three"
+    ids = tok(text).input_ids
+    asm = TextAssembler(tok, stop=["STOP", "never"])
+    shown, keep = _stream_until_stop(asm, ids, chunk)
     assert "".join(shown) == "one two " == asm.text
     assert keep == len(tok("one two STOP").input_ids)  # up to the token that completes the stop
     assert all("S" not in p for p in shown)  # nothing of the stop string was ever shown
@@ -83,13 +89,7 @@ def test_the_stop_that_ends_first_wins_whatever_the_chunking(tok, chunk, stops, 
     tokens at once must stop at the same place and show the same text."""
     ids = tok(text).input_ids
     asm = TextAssembler(tok, stop=stops)
-    shown, keep = [], None
-    for i in range(0, len(ids), chunk):
-        shown.append(asm.push(ids[i : i + chunk]))
-        keep = asm.stop_index(ids[: i + chunk])
-        if keep is not None:
-            break
-    shown.append(asm.finish())
+    shown, keep = _stream_until_stop(asm, ids, chunk)
     assert "".join(shown) == expected == asm.text
     plain_keep = next(n for n in range(1, len(ids) + 1) if TextAssembler(tok, stop=stops).stop_index(ids[:n]))
     assert keep == plain_keep
