@@ -295,20 +295,20 @@ def test_loop_marginals_with_cost_learning_rounds(small_vocab_pair):
     """k = auto from a fresh policy every generation: two plain rounds, a round that verifies a free guess (a
     filler round, q one-hot), the draft's timed step (reported as free here, so that it drafts), then model
     drafts. Tokens 1-5 follow the target's exact marginals (N = 3000, V = 8; false-failure probability 5e-4)."""
-    from verispec.adaptive import AdaptiveK
+    from verispec.adaptive import CostAwareK
 
     target, draft = small_vocab_pair
     params, steps = SamplingParams(temperature=1.0), 5
     exact = _exact_marginals(target, [3, 1, 2], params, steps)
     counts = torch.zeros(steps, 8, dtype=torch.long)
     eng = make_engine(target, draft, k="auto")
-    timed = eng.proposer.time_step
-    eng.proposer.time_step = lambda seq: timed(seq) and 1e-9
+    timed = eng._time_draft_step
+    eng._time_draft_step = lambda seq, stats: timed(seq, stats) and 1e-9
     learned = drafted = 0
     for i in range(3000):
-        eng.k_policy = AdaptiveK(k_max=4)
+        eng.k_policy = CostAwareK(k_max=4)
         out = eng.generate([3, 1, 2], SamplingParams(temperature=1.0, seed=20_000 + i), max_new_tokens=steps + 2)
-        learned += eng.k_policy.t_draft is not None
+        learned += eng.k_policy.by_source["model"].t_draft is not None
         drafted += out.stats.draft_forwards > 0
         for pos, tok in enumerate(out.token_ids[:steps]):
             counts[pos, tok] += 1

@@ -112,7 +112,7 @@ def test_ngram_negative_control_fails(small_vocab_target, monkeypatch):
 
 
 def test_hybrid_looks_up_once_per_round(monkeypatch):
-    """next_source, pending and propose share one n-gram lookup per round (the engine asks all three)."""
+    """source, pending and propose share one n-gram lookup per round (the engine asks all three)."""
     import torch
 
     import verispec.proposers.ngram as ngram_module
@@ -133,10 +133,10 @@ def test_hybrid_looks_up_once_per_round(monkeypatch):
     hybrid = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1, min_confident=2), NoModel())
     seq = TokenSequence([1, 2, 3, 1, 2], 16, torch.device("cpu"))
     hybrid.start(seq, SamplingParams(), torch.Generator())
-    assert hybrid.next_source(seq) == "ngram" and hybrid.pending(seq) == 0 and len(calls) == 1
+    assert hybrid.source(seq) == "ngram" and hybrid.pending(seq) == 0 and len(calls) == 1
     assert hybrid.propose(seq, 4).tokens.tolist() == [3, 1, 2] and len(calls) == 1
     seq.extend([9], torch.tensor([9]))  # the next round: a fresh lookup, no match now
-    assert hybrid.next_source(seq) == "model" and hybrid.pending(seq) == 7 and len(calls) == 2
+    assert hybrid.source(seq) == "model" and hybrid.pending(seq) == 7 and len(calls) == 2
 
 
 def test_ngram_names_its_source_by_match_length():
@@ -150,11 +150,11 @@ def test_ngram_names_its_source_by_match_length():
     ngram = NgramProposer(max_ngram=4, min_ngram=1, min_confident=3)
     seq = TokenSequence([1, 2, 3, 4, 9, 1, 2, 3], 32, torch.device("cpu"))
     ngram.start(seq, SamplingParams(), torch.Generator())
-    assert ngram.next_source(seq) == "ngram"  # [1, 2, 3] occurred before
+    assert ngram.source(seq) == "ngram"  # [1, 2, 3] occurred before
     seq.extend([7, 3], torch.tensor([7, 3]))
-    assert ngram.next_source(seq) == "ngram-short"  # only [3] did
+    assert ngram.source(seq) == "ngram-short"  # only [3] did
     seq.extend([8], torch.tensor([8]))
-    assert ngram.next_source(seq) == "none"
+    assert ngram.source(seq) == "none"
 
 
 def test_ngram_auto_keeps_a_policy_per_match_kind(models):

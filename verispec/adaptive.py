@@ -58,6 +58,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from verispec.policy import Plan, RoundReport, RoundView
+from verispec.proposers.base import Draft
+from verispec.proposers.ngram import lookup_guess
+
 
 @dataclass
 class AdaptiveK:
@@ -256,3 +262,42 @@ class AdaptiveK:
             self._benched = True
             self._bench_interval = min(2 * self._bench_interval, self.max_probe_every)
             self._interval, self._off_rounds = self._bench_interval, 0
+
+
+class CostAwareK:
+    """The cost-aware k policy (see the module docstring) behind the `KPolicy` interface: one `AdaptiveK`
+    per draft source sharing the verify costs; a filler round verifies a free guess from prompt lookup."""
+
+    def __init__(self, k_max: int = 8) -> None:
+        self.root = AdaptiveK(k_max=k_max)
+        self.k_max = k_max
+        self._policy: AdaptiveK = self.root  # the sub-policy that chose the last plan
+
+    @property
+    def by_source(self) -> dict[str, AdaptiveK]:
+        return self.root.by_source
+
+    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
+        self.root.observe_prefill(prefill_seconds, prefill_tokens)
+        self.root.new_generation()
+
+    def choose(self, view: RoundView) -> Plan:
+        policy = self._policy = self.root.for_source(view.source)
+        if view.limit > 0 and policy.wants_draft_cost():
+            step = view.time_draft_step()
+            if step is not None:
+                policy.observe_draft_step(step)
+        k = policy.choose(view.limit, view.pending)
+        if policy.filler:
+            guess = torch.tensor([lookup_guess(view.seq.ids)], dtype=torch.long).to(view.seq.buffer.device)
+            return Plan(1, Draft(guess, None, "guess"))
+        return Plan(k)
+
+    def observe(self, report: RoundReport) -> None:
+        policy = self._policy
+        if report.fed:
+            policy.observe_verify(report.fed, report.verify_seconds)
+        if not report.own_draft:
+            policy.update(report.drafted, report.accepted, report.draft_seconds, None, report.catchup_seconds,
+                          report.catchup_tokens, round_seconds=report.seconds - report.catchup_seconds,
+                          plain_tokens=report.plain_tokens)

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from verispec.adaptive import AdaptiveK
+from verispec.adaptive import CostAwareK
 from verispec.backends.base import Model, common_prefix_length
 from verispec.metrics import SpecStats
-from verispec.proposers.base import Proposer
-from verispec.proposers.ngram import lookup_guess
+from verispec.policy import FixedK, KPolicy, Plan, RoundReport, RoundView
+from verispec.proposers.base import Draft, Proposer
 from verispec.sampling import (
     SamplingParams,
     count_rows,
@@ -95,7 +95,7 @@ class SpeculativeGenerator:
         self.proposer = proposer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.num_draft_tokens = _check_k(num_draft_tokens)
-        self.k_policy = AdaptiveK(k_max=k_max)  # used when num_draft_tokens is "auto"; learns across generations
+        self.k_policy = CostAwareK(k_max=k_max)  # the policy of k = "auto"; learns across generations
         self.device = target.device
         self._clock = Clock(self.device)  # times the round's stages on the device's timeline
         self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
@@ -132,166 +132,99 @@ class SpeculativeGenerator:
         counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
         return process_logits(logits, params, presence, counts, len(seq.generated)).log_softmax(dim=-1)
 
-    def _round(
-        self, seq: TokenSequence, k: int, params: SamplingParams, gen: torch.Generator, stats: SpecStats,
-        head: torch.Tensor | None = None, filler: bool = False, logprobs: list[TokenLogprob] | None = None,
-        top_logprobs: int = 0,
-    ) -> tuple[int, list[int]]:
-        """One propose -> verify -> commit round. Returns (accepted, committed tokens). `head`: the first
-        round's logits for the position after seq, from the prefill (the cache then holds all of seq).
-        `filler`: verify one free guess (prompt lookup) instead of the proposer's draft; the adaptive policy
-        learns verify costs from such rounds before it pays for a draft model. `logprobs`: a list to append
-        each committed token's TokenLogprob to (with `top_logprobs` alternatives); None: not asked for."""
-        clock = self._clock
-        t0 = clock.mark()
-        if filler:
-            draft_tokens = torch.tensor([lookup_guess(seq.ids)], dtype=torch.long).to(self.device)
-            draft_probs, proposed, k = None, 0, 1  # deterministic: q is one-hot on it, exact like n-gram drafts
-        elif k > 0:
-            draft = self.proposer.propose(seq, k)
-            draft_tokens, draft_probs = draft.tokens, draft.probs
-            proposed = k
-            k = draft_tokens.numel()  # a proposer may offer fewer (n-gram: none without a match)
-            if getattr(self.proposer, "uses_model", True):
-                stats.draft_forwards += k
-        else:
-            draft_tokens, draft_probs, proposed = seq.device_ids.new_empty(0), None, 0
-        t1 = clock.mark()
+    def _score(self, seq: TokenSequence, drafts: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
+        """The target's logits [k+1, V] for the positions after seq and after each draft: ONE forward pass
+        over [last committed token, d_1 .. d_k] (the first round: over the drafts, the prefill gave `head`)."""
         if head is None:
-            logits = self.target.forward(torch.cat([seq.device_ids[-1:], draft_tokens]))  # [k+1, V]
-            stats.target_forwards += 1
-        elif k > 0:
-            logits = torch.cat([head, self.target.forward(draft_tokens)])  # [k+1, V]
-            stats.target_forwards += 2  # the prefill's pass gave the first row
-        else:
-            logits = head
-            stats.target_forwards += 1
-        rows = self._target_rows(logits, draft_tokens, params, seq)
-        logp = self._logprob_rows(logits, draft_tokens, params, seq) if logprobs is not None else None
-        if params.greedy:
-            n, nxt = greedy_verify(draft_tokens[None], rows[None])
-        else:
-            q = None if draft_probs is None else draft_probs[None]
-            n, nxt = rejection_sample(draft_tokens[None], q, rows[None], gen)
+            return self.target.forward(torch.cat([seq.device_ids[-1:], drafts]))
+        return torch.cat([head, self.target.forward(drafts)]) if drafts.numel() else head
+
+    def _catch_up(self, seq: TokenSequence, plan: Plan) -> int:
+        """Feed the draft the committed tokens it has not seen, when it is about to draft; returns how many."""
+        if plan.draft is not None or plan.k == 0 or not self.proposer.pending(seq):
+            return 0
+        return self.proposer.catch_up(seq)
+
+    def _draft(self, seq: TokenSequence, plan: Plan) -> Draft:
+        """The round's draft: the policy's own, the proposer's, or none (plain decoding)."""
+        if plan.draft is not None:
+            return plan.draft
+        if plan.k == 0:
+            return Draft(seq.device_ids.new_empty(0), None, "")
+        return self.proposer.propose(seq, plan.k)
+
+    def _round(
+        self, seq: TokenSequence, plan: Plan, params: SamplingParams, gen: torch.Generator,
+        head: torch.Tensor | None, logprobs: list[TokenLogprob] | None, top_logprobs: int,
+    ) -> tuple[list[int], RoundReport]:
+        """One round, as the paper has it: propose -> one target pass -> verify -> commit and roll back.
+        `head`: the first round's logits for the position after seq, from the prefill. `logprobs`: a list to
+        append each committed token's TokenLogprob to (None: not asked for)."""
+        clock, start = self._clock, time.perf_counter()
+        t0 = clock.mark()
+        caught_up = self._catch_up(seq, plan)
+        t1 = clock.mark()
+        draft = self._draft(seq, plan)
         t2 = clock.mark()
-        host = torch.cat([n, nxt, draft_tokens]).tolist()  # the round's one device -> host sync
-        catchup = getattr(self.proposer, "catchup_seconds", 0.0) if proposed > 0 else 0.0  # the draft's prefill
-        stats.draft_seconds += clock.seconds(t0, t1) - catchup
-        stats.prefill_seconds += catchup
-        stats.target_seconds += clock.seconds(t1, t2)
-
-        accepted = host[0]
+        logits = self._score(seq, draft.tokens, head)
+        rows = self._target_rows(logits, draft.tokens, params, seq)
+        if params.greedy:
+            n, nxt = greedy_verify(draft.tokens[None], rows[None])
+        else:
+            n, nxt = rejection_sample(draft.tokens[None], None if draft.probs is None else draft.probs[None],
+                                      rows[None], gen)
+        t3 = clock.mark()
+        host = torch.cat([n, nxt, draft.tokens]).tolist()  # the round's one device -> host sync
+        accepted, drafted = host[0], draft.tokens.numel()
         committed = host[2 : 2 + accepted] + [host[1]]
-        if logp is not None:
+        if logprobs is not None:
+            logp = self._logprob_rows(logits, draft.tokens, params, seq)
             logprobs.extend(_token_logprobs(logp[: accepted + 1], committed, top_logprobs))
-        seq.extend(committed, torch.cat([draft_tokens[:accepted], nxt]))
-        self.target.rollback(len(seq) - 1)
-        if proposed > 0:
-            self.proposer.observe(seq, k, accepted)
-        if k > 0:
-            stats.observe(k, accepted)
-        return accepted, committed
-
-    def _choose_k(self, seq: TokenSequence, limit: int, stats: SpecStats) -> tuple[AdaptiveK, int]:
-        """The policy for the proposer's next draft source (hybrid: n-gram or model, each has its own) and
-        its k. Before a draft model's first draft the policy gets one timed draft step, made on a token the
-        draft must catch up on anyway, so that the draft's cost is known before its catch-up is paid."""
-        proposer = self.proposer
-        policy = self.k_policy.for_source(proposer.next_source(seq) if hasattr(proposer, "next_source") else None)
-        if limit > 0 and policy.wants_draft_cost() and hasattr(proposer, "time_step"):
-            t0 = time.perf_counter()
-            step = proposer.time_step(seq)
-            stats.prefill_seconds += time.perf_counter() - t0  # part of the draft's catch-up
-            if step is not None:
-                policy.observe_draft_step(step)
-        return policy, policy.choose(limit, proposer.pending(seq) if hasattr(proposer, "pending") else 0)
-
-    def _stop_index(
-        self, generated: list[int], start: int, stop: StopFn | None, stop_ids: frozenset[int] | None = None
-    ) -> int | None:
-        """Number of generated tokens to keep if a stop was hit among generated[start:], else None.
-        `stop_ids`: the ids that end generation (default: the EOS ids)."""
-        stop_ids = self.eos_token_ids if stop_ids is None else stop_ids
-        keep = next((i + 1 for i in range(start, len(generated)) if generated[i] in stop_ids), None)
-        if stop is not None:
-            at_stop = stop(generated[:keep] if keep is not None else generated)
-            if at_stop is not None:
-                keep = at_stop
-        return keep
+        seq.extend(committed, torch.cat([draft.tokens[:accepted], nxt]))
+        self.target.rollback(len(seq) - 1)  # the target's cache keeps exactly the committed tokens it has seen
+        if plan.draft is None and plan.k > 0:
+            self.proposer.observe(seq, drafted, accepted)  # the draft rolls back its own cache
+        return committed, RoundReport(
+            plan.k, draft.source if drafted else "", drafted, accepted, head is not None, plan.draft is not None,
+            draft.steps, clock.seconds(t1, t2), clock.seconds(t2, t3), clock.seconds(t0, t1), caught_up,
+            time.perf_counter() - start)
 
     # -- the loop ----------------------------------------------------------------------------------
 
     def _rounds(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_new_tokens: int,
-        num_draft_tokens: int | str,
-        stop: StopFn | None,
-        result: GenerationResult,
-        stop_ids: frozenset[int] | None = None,
-        top_logprobs: int | None = None,
+        self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, policy: KPolicy,
+        stop: StopFn | None, result: GenerationResult, stop_ids: frozenset[int], top_logprobs: int | None,
     ) -> Iterator[list[int]]:
-        stats = result.stats
-        t_start = time.perf_counter()
+        """Prefill, then rounds until max_new_tokens or a stop; yields each round's committed tokens."""
+        stats, t_start = result.stats, time.perf_counter()
         max_new_tokens = min(max_new_tokens, self.target.max_length - len(prompt_ids))
         seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
         gen = make_generator(params.seed, self.device)
-        t0 = time.perf_counter()
-        head: torch.Tensor | None
         head, fed = self._prefill(seq)
-        auto = num_draft_tokens == "auto"
-        if auto:
-            sync(self.device)  # the first round waits for the prefill's logits anyway
-            self.k_policy.observe_prefill(time.perf_counter() - t0, fed)
-        if self.proposer is not None and (auto or num_draft_tokens > 0):
+        sync(self.device)  # the first round waits for the prefill's logits anyway
+        policy.start(time.perf_counter() - t_start, fed)
+        if self.proposer is not None:
             self.proposer.start(seq, params, gen)
         stats.prefill_seconds = time.perf_counter() - t_start
-
-        generated = 0
         logprobs = None if top_logprobs is None else []
-        if auto:
-            self.k_policy.new_generation()
         try:
-            while generated < max_new_tokens:
-                limit = max_new_tokens - generated - 1 if self.proposer is not None else 0
-                filler = False
-                if auto:
-                    policy, k = self._choose_k(seq, limit, stats)
-                    filler = policy.filler
-                else:
-                    k = min(num_draft_tokens, limit)
-                before = (stats.draft_seconds, stats.target_seconds, stats.drafted, stats.prefill_seconds)
-                t_round = time.perf_counter()
-                accepted, committed = self._round(seq, k, params, gen, stats, head, filler, logprobs,
-                                                  top_logprobs or 0)
-                t_round = time.perf_counter() - t_round  # all of it: drafting, verifying, both rollbacks
-                if auto:
-                    drafted = stats.drafted - before[2]
-                    width = drafted + (head is None)  # tokens the target pass fed (the first round: the drafts)
-                    if width:
-                        policy.observe_verify(width, stats.target_seconds - before[1])
-                    if not filler:
-                        catchup = stats.prefill_seconds - before[3]
-                        policy.update(drafted, accepted, stats.draft_seconds - before[0], None, catchup,
-                                      getattr(self.proposer, "catchup_tokens", 0) if k > 0 else 0,
-                                      round_seconds=t_round - catchup, plain_tokens=accepted + (head is None))
+            while len(seq.generated) < max_new_tokens:
+                plan = policy.choose(self._view(seq, max_new_tokens, stats))
+                committed, report = self._round(seq, plan, params, gen, head, logprobs, top_logprobs or 0)
                 head = None
-                generated_ids = seq.generated
-                keep = self._stop_index(generated_ids, generated, stop, stop_ids)
-                if keep is not None:
-                    stats.cut_round(stats.drafted - before[2], accepted, max(0, keep - generated))
-                    committed = committed[: max(0, keep - generated)]
+                policy.observe(report)
+                stats.add_round(report)
+                keep = _stop_index(seq.generated, len(seq.generated) - len(committed), stop, stop_ids)
+                if keep is not None:  # drop what follows the stop, from the result and from the caches
+                    emitted = max(0, keep - (len(seq.generated) - len(committed)))
+                    stats.cut_round(report.drafted, report.accepted, emitted)
+                    committed = committed[:emitted]
                     seq.truncate(seq.prompt_length + keep)
                     self.target.rollback(min(self.target.length, len(seq) - 1))
                     result.finish_reason = "stop"
-                    generated_ids = generated_ids[:keep]
-                generated = len(generated_ids)
-                result.token_ids = generated_ids
-                if logprobs is not None:
-                    result.logprobs = logprobs[: len(generated_ids)]
-                stats.new_tokens = generated
-                stats.seconds = time.perf_counter() - t_start
+                result.token_ids = seq.generated
+                result.logprobs = None if logprobs is None else logprobs[: len(result.token_ids)]
+                stats.new_tokens, stats.seconds = len(result.token_ids), time.perf_counter() - t_start
                 if committed:
                     yield committed
                 if keep is not None:
@@ -299,6 +232,24 @@ class SpeculativeGenerator:
             result.finish_reason = "length"
         finally:  # what the target's cache holds, for prefix reuse by the next generation
             self._target_held = seq.ids[: self.target.length]
+
+    def _view(self, seq: TokenSequence, max_new_tokens: int, stats: SpecStats) -> RoundView:
+        """What the k policy sees before a round."""
+        proposer = self.proposer
+        if proposer is None:
+            return RoundView(seq, 0, "none", 0, lambda: None)
+        return RoundView(seq, max_new_tokens - len(seq.generated) - 1, proposer.source(seq), proposer.pending(seq),
+                         lambda: self._time_draft_step(seq, stats))
+
+    def _time_draft_step(self, seq: TokenSequence, stats: SpecStats) -> float | None:
+        """Seconds of one draft step, fed on the first token the draft must catch up on anyway (None: none
+        pending). Booked as catch-up; a one-off measurement, so it waits for the kernels."""
+        t0 = time.perf_counter()
+        fed = self.proposer.catch_up(seq, 1)
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        stats.prefill_seconds += seconds
+        return seconds if fed else None
 
     def stream(
         self,
@@ -323,6 +274,7 @@ class SpeculativeGenerator:
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.target.vocab_size:
             raise ValueError(f"a prompt token id is out of range for the vocabulary of {self.target.vocab_size}")
         k = self.num_draft_tokens if num_draft_tokens is None else _check_k(num_draft_tokens)
+        policy = self.k_policy if k == "auto" else FixedK(k)
         result = GenerationResult(token_ids=[], finish_reason="length")
         result.stats.prompt_tokens = len(prompt_ids)
         stop_ids = frozenset(int(t) for t in stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
@@ -330,7 +282,7 @@ class SpeculativeGenerator:
             params = replace(params, stop_ids=tuple(sorted(stop_ids | set(params.stop_ids))))
         if logprobs is not None and logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {logprobs}")
-        rounds = self._rounds(list(prompt_ids), params, max_new_tokens, k, stop, result, stop_ids, logprobs)
+        rounds = self._rounds(list(prompt_ids), params, max_new_tokens, policy, stop, result, stop_ids, logprobs)
         return Generation(self._guarded(rounds), result)
 
     def _guarded(self, rounds: Iterator[list[int]]) -> Iterator[list[int]]:
@@ -357,6 +309,17 @@ class SpeculativeGenerator:
         for _ in generation:
             pass
         return generation.result
+
+
+def _stop_index(generated: list[int], start: int, stop: StopFn | None, stop_ids: frozenset[int]) -> int | None:
+    """Number of generated tokens to keep if a stop (an id in stop_ids, or a stop string) was hit among
+    generated[start:], else None."""
+    keep = next((i + 1 for i in range(start, len(generated)) if generated[i] in stop_ids), None)
+    if stop is not None:
+        at_stop = stop(generated[:keep] if keep is not None else generated)
+        if at_stop is not None:
+            keep = at_stop
+    return keep
 
 
 def _row_counts(

@@ -32,6 +32,16 @@ class SpecStats:
             for i in range(upto):
                 counts[i] += 1
 
+    def add_round(self, report) -> None:
+        """Book one round's `verispec.policy.RoundReport`: its costs, passes and, when it drafted, acceptance."""
+        self.draft_seconds += report.draft_seconds
+        self.prefill_seconds += report.catchup_seconds  # a draft's catch-up is prefill work
+        self.target_seconds += report.verify_seconds
+        self.draft_forwards += report.draft_steps
+        self.target_forwards += 2 if report.first and report.drafted else 1  # the prefill's pass gave a row
+        if report.drafted:
+            self.observe(report.drafted, report.accepted)
+
     def cut_round(self, drafted: int, accepted: int, emitted: int) -> None:
         """The last round (`drafted` drafts, `accepted` of them accepted) was cut by a stop (EOS or a stop
         string) after its first `emitted` tokens: when the cut falls among the accepted drafts, count the

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -20,7 +19,6 @@ from verispec.sampling import (
     token_counts,
 )
 from verispec.sequence import TokenSequence
-from verispec.timing import Clock, sync
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -40,8 +38,6 @@ class DraftModelProposer:
     feeds the committed tokens it has not seen (one, or two when all drafts were accepted: it never
     processed its own last draft)."""
 
-    uses_model = True
-
     def __init__(self, model: Model, vocab_size: int) -> None:
         self.model = model
         self.vocab_size = vocab_size  # the target's
@@ -51,58 +47,44 @@ class DraftModelProposer:
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
         self._base = 0  # len(seq) when the last draft started
-        self.catchup_tokens = 0  # tokens the last propose's catch-up processed (see catchup_seconds)
-        self._clock = Clock(model.device)
-        self._catchup: tuple | None = None  # clock marks around the last propose's catch-up pass
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        """Keep the cached prefix this sequence shares; the rest is prefilled lazily by the first draft,
-        so a generation that never drafts (adaptive k found it does not pay) never prefills the draft."""
+        """Keep the cached prefix this sequence shares; the rest is fed lazily (catch_up or the first draft),
+        so a generation that never drafts (a k policy found it does not pay) never prefills the draft."""
         self.params, self.generator = params, generator
         held = self._held_seq.ids[: self._held_len] if self._held_seq is not None else []
         keep = min(common_prefix_length(held, seq.ids), len(seq) - 1, self.model.length)
         self.model.rollback(keep)
         self._held_seq, self._held_len = seq, keep
-        self._catchup, self.catchup_tokens = None, 0
 
-    @property
-    def catchup_seconds(self) -> float:
-        """Seconds of the last propose's catch-up (prefill of the tokens it had not seen), not drafting: for
-        the k policy. On a GPU read it after the round's sync (the clock's events must have completed)."""
-        return self._clock.seconds(*self._catchup) if self._catchup is not None else 0.0
+    def source(self, seq: TokenSequence) -> str:
+        return "model"
 
     def pending(self, seq: TokenSequence) -> int:
-        """Tokens the next propose must first feed in one catch-up pass (0 when it just feeds the last one
+        """Tokens the next propose would feed in a separate catch-up pass (0 when it just feeds the last one
         or two committed tokens with its first draft step)."""
         behind = len(seq) - self.model.length
         return behind - 1 if behind > 2 else 0
 
-    def time_step(self, seq: TokenSequence) -> float | None:
-        """Seconds of one draft forward over one token: a single-token pass over the first committed token the
-        draft has not seen (its catch-up would feed it anyway, so it is not wasted, but it costs about a draft
-        step more than within the batched catch-up). A model's first call can be slow; an estimate too high
-        only delays drafting until the policy's next probe, which measures the cost afresh. None when fewer
-        than two tokens are pending (the next draft then feeds them itself)."""
+    def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
+        """Feed up to `limit` committed tokens the cache has not seen, in one pass, always leaving the last
+        one for the first draft step. A one-token call (limit 1) is how a draft step's cost is measured: the
+        token is one the draft must see anyway."""
         at = self.model.length
-        if len(seq) - at < 2:
-            return None
-        t0 = time.perf_counter()
-        self.model.forward(seq.device_ids[at : at + 1], last_only=True)
-        sync(self.model.device)  # a one-off measurement: wait for the kernels
-        seconds = time.perf_counter() - t0
+        n = len(seq) - 1 - at
+        if limit is not None:
+            n = min(n, limit)
+        if n <= 0:
+            return 0
+        self.model.forward(seq.device_ids[at : at + n], last_only=True)
         self._held_seq, self._held_len = seq, self.model.length
-        return seconds
+        return n
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
         params = self.params
-        feed = seq.device_ids[self.model.length :]  # [m >= 1] committed tokens not yet seen
-        self._catchup, self.catchup_tokens = None, 0
-        if feed.numel() > 2:  # a prompt, or rounds decoded without this draft: one batched catch-up pass
-            start = self._clock.mark()
-            self.model.forward(feed[:-1], last_only=True)
-            self._catchup = (start, self._clock.mark())
-            self.catchup_tokens = feed.numel() - 1
-            feed = feed[-1:]
+        if self.pending(seq):  # a prompt, or rounds decoded without this draft: one batched catch-up pass
+            self.catch_up(seq)
+        feed = seq.device_ids[self.model.length :]  # [1 or 2] committed tokens not yet seen
         self._base = len(seq)
         presence = seq.presence(self.vocab_size) if params.penalised else None
         counts = token_counts(seq.device_ids[seq.prompt_length :], self.vocab_size) if params.counted else None
@@ -124,7 +106,7 @@ class DraftModelProposer:
             feed = token
         draft_tokens = torch.cat(tokens) if tokens else seq.device_ids.new_empty(0)
         draft_probs = torch.cat(probs) if probs else None
-        return Draft(draft_tokens, draft_probs)
+        return Draft(draft_tokens, draft_probs, "model", len(tokens))
 
     def reset(self) -> None:
         self.model.reset()

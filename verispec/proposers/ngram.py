@@ -43,12 +43,9 @@ def lookup_guess(tokens: list[int], max_ngram: int = 4) -> int:
 
 
 class NgramProposer:
-    """Prompt lookup. For cost-aware k it names each round's draft source by the match it has (`next_source`):
-    long matches (>= min_confident tokens) are accepted far more often than short ones, and one spell of
-    failing short matches must not switch off the long ones (measured on llama.cpp, code editing: 0.95x with
-    one policy for all matches; hybrid, whose n-gram drafts are the long matches only, 1.43x)."""
-
-    uses_model = False
+    """Prompt lookup. It names each round's draft source by the match it has (`source`): long matches
+    (>= min_confident tokens) are accepted far more often than short ones, so a k policy that learns per
+    source keeps drafting the long ones through a spell of failing short ones."""
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, min_confident: int = 3) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -62,22 +59,28 @@ class NgramProposer:
         self._match = None
 
     def match(self, seq: TokenSequence) -> tuple[int, int]:
-        """find_match on this round's sequence, looked up once per round (next_source, pending and propose
-        all ask): within a generation the sequence only grows, so the object and its length name the round."""
+        """find_match on this round's sequence, looked up once per round (source and propose both ask): within a generation the sequence only grows, so the object and its length name the round."""
         if self._match is None or self._match[0] is not seq or self._match[1] != len(seq):
             self._match = (seq, len(seq), *find_match(seq.ids, self.max_ngram, self.min_ngram))
         return self._match[2], self._match[3]
 
-    def next_source(self, seq: TokenSequence) -> str:
+    def source(self, seq: TokenSequence) -> str:
         """'ngram' (a match of at least min_confident tokens), 'ngram-short' (a shorter one) or 'none'."""
         n = self.match(seq)[1]
         return "none" if not n else "ngram" if n >= self.min_confident else "ngram-short"
 
+    def pending(self, seq: TokenSequence) -> int:
+        return 0  # free: nothing to catch up on
+
+    def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
+        return 0
+
     def propose(self, seq: TokenSequence, k: int) -> Draft:
+        source = self.source(seq)
         at, self.last_match = self.match(seq)
         tokens = seq.ids[at : at + k] if self.last_match else []
         device = seq.buffer.device
-        return Draft(torch.tensor(tokens, dtype=torch.long).to(device), None)
+        return Draft(torch.tensor(tokens, dtype=torch.long).to(device), None, source)
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         pass
@@ -85,57 +88,3 @@ class NgramProposer:
     def reset(self) -> None:
         self.last_match = 0
         self._match = None
-
-
-class HybridProposer:
-    """n-gram lookup when it has a confident match (the n-gram proposer's long kind: a suffix of at least its
-    `min_confident` tokens), the draft model otherwise. The draft model catches up on the tokens it skipped
-    the next time it drafts."""
-
-    def __init__(self, ngram: NgramProposer, model) -> None:
-        self.ngram, self.model = ngram, model
-        self._last = None
-
-    @property
-    def uses_model(self) -> bool:
-        return self._last is self.model
-
-    @property
-    def catchup_seconds(self) -> float:
-        return self.model.catchup_seconds if self._last is self.model else 0.0
-
-    @property
-    def catchup_tokens(self) -> int:
-        return self.model.catchup_tokens if self._last is self.model else 0
-
-    def next_source(self, seq: TokenSequence) -> str:
-        """Where the next draft would come from: 'ngram' (a confident match) or 'model'."""
-        return "ngram" if self.ngram.next_source(seq) == "ngram" else "model"
-
-    def pending(self, seq: TokenSequence) -> int:
-        """The draft model's catch-up, when the next draft comes from it."""
-        return self.model.pending(seq) if self.next_source(seq) == "model" else 0
-
-    def time_step(self, seq: TokenSequence) -> float | None:
-        """The draft model's step cost (see DraftModelProposer.time_step), when the next draft comes from it."""
-        return self.model.time_step(seq) if self.next_source(seq) == "model" else None
-
-    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        self.ngram.start(seq, params, generator)
-        self.model.start(seq, params, generator)
-
-    def propose(self, seq: TokenSequence, k: int) -> Draft:
-        draft = self.ngram.propose(seq, k)
-        if self.ngram.last_match >= self.ngram.min_confident and draft.tokens.numel() > 0:
-            self._last = self.ngram
-            return draft
-        self._last = self.model
-        return self.model.propose(seq, k)
-
-    def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
-        if self._last is not None:
-            self._last.observe(seq, drafted, accepted)
-
-    def reset(self) -> None:
-        self.ngram.reset()
-        self.model.reset()
