@@ -225,6 +225,8 @@ class SpeculativeGenerator:
                 result.token_ids = seq.generated
                 result.logprobs = None if logprobs is None else logprobs[: len(result.token_ids)]
                 stats.new_tokens, stats.seconds = len(result.token_ids), time.perf_counter() - t_start
+                if committed and not stats.first_token_seconds:
+                    stats.first_token_seconds = stats.seconds
                 if committed:
                     yield committed
                 if keep is not None:

@@ -19,6 +19,7 @@ class SpecStats:
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0  # time to first token: from the call until the first token was committed
     seconds: float = 0.0
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -76,7 +77,7 @@ class SpecStats:
         """Accumulate another generation's stats (e.g. across chat turns)."""
         for name in (
             "prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "target_forwards",
-            "draft_forwards", "target_seconds", "draft_seconds", "prefill_seconds", "seconds",
+            "draft_forwards", "target_seconds", "draft_seconds", "prefill_seconds", "first_token_seconds", "seconds",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
