@@ -1,9 +1,8 @@
 """A lean decode path for Llama-family drafts (Llama, Qwen2, Mistral without sliding window).
 
 A draft runs one single-token forward per drafted token, so per-call overhead matters as much as the math.
-Measured here on the 0.5B draft in int4: the packed matmuls take ~26 ms of a ~40 ms transformers step; the
-rest is module dispatch, mask building and a DynamicCache that concatenates every layer's keys and values
-each step. This module runs the same network from the same weights with far fewer calls per layer:
+In a small quantised draft's transformers step the matmuls are only part of the time; the rest is module
+dispatch, mask building and a DynamicCache that concatenates every layer's keys and values each step. This module runs the same network from the same weights with far fewer calls per layer:
 - q, k and v are one linear layer (their weights concatenated), gate and up another (fewer, larger matmuls,
   and quantisation packs the fused layers just as it does the separate ones);
 - RoPE is one rotation of q and k together, from cos/sin tables the model's own rotary module computes once;
