@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README performance table 1: built-in prompt set, every drafter at k=4, int8 draft, 96 new tokens.
+# built-in prompt set, every drafter at k=4, int8 draft, 96 new tokens.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p out

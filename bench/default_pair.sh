@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The default configuration of the default pair (issue 6): bf16 transformers target, the 0.5B draft on
+# The default configuration of the default pair: bf16 transformers target, the 0.5B draft on
 # transformers in int4 (--draft-quant auto), cost-aware k. In the same run: plain transformers decoding (the
 # ratio base) and HF assisted generation (bf16 0.5B draft, library defaults). HumanEval, Spec-Bench, then
 # HumanEval and Spec-Bench sampled at T=0.7 / top-p 0.9. PROMPTS / PER_CATEGORY / SAMPLED_PROMPTS /

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Draft setups side by side in one run (issue 6: which draft is the default): the default int4 transformers
+# Draft setups side by side in one run (which draft should be the default): the default int4 transformers
 # draft, the same with a reduced 32k-token head (--draft-vocab 32768), and the draft's GGUF on llama.cpp
 # (needs the [llamacpp] extra); on HumanEval, then on the long-prompt Spec-Bench categories with the hybrid
 # drafter too. PROMPTS / PER_CATEGORY / MAX_NEW size the runs.

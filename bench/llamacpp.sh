@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The llama.cpp backend (issue 8): one `verispec bench` run per prompt set, each with its baselines in the
+# The llama.cpp backend: one `verispec bench` run per prompt set, each with its baselines in the
 # same process. Target and draft on llama.cpp; references: verispec's own plain decoding on llama.cpp (the
 # ratio base), llama-cpp-python's plain decoding and its prompt lookup decoding; verispec with each drafter
 # and cost-aware k. Then the mixed setup (llama.cpp draft, bf16 transformers target) against the same

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README performance table: Spec-Bench (5 per category), default pair, verispec k=4 vs HF assisted.
+# Spec-Bench (5 per category), default pair, verispec k=4 vs HF assisted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data="${BENCH_DATA:-../shared/bench-data}"

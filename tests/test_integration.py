@@ -40,7 +40,7 @@ def test_smollm2_chat_answer(capsys):
 
 
 def test_default_pair_greedy_identical_fp32(capsys):
-    """The issue's check: same token_ids with and without speculation, fp32, one chat prompt."""
+    """The same token_ids with and without speculation, fp32, one chat prompt."""
     _need(DEFAULT_TARGET, DEFAULT_DRAFT)
     common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--dtype", "fp32"]
     spec = _generate(capsys, *common, "--num-draft-tokens", "4")
