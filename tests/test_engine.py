@@ -200,6 +200,21 @@ def test_stream_chunks_concatenate_to_result(pair):
     assert all(1 <= len(c) <= 5 for c in chunks)
 
 
+@pytest.mark.parametrize("stop_at", [None, 7])
+def test_stream_chunks_carry_provenance(pair, stop_at):
+    """Each chunk says how many of its tokens were drafted and accepted; the rest, one per round unless a stop
+    cut the round, the target produced. Over a stream they add up to the accepted count and the tokens."""
+    target, draft = pair
+    stop = (lambda generated: stop_at if len(generated) >= stop_at else None) if stop_at else None
+    gen = make_engine(target, draft, k=4).stream([1, 2, 3], max_new_tokens=25, stop=stop)
+    chunks = list(gen)
+    assert all(0 <= c.accepted <= len(c) and c.target == len(c) - c.accepted for c in chunks)
+    assert all(c.target == 1 for c in chunks[:-1]) and chunks[-1].target <= 1
+    assert sum(c.accepted for c in chunks) == gen.result.stats.accepted
+    assert sum(c.accepted + c.target for c in chunks) == len(gen.result.token_ids)
+    assert sum(c.accepted for c in chunks) > 0  # the perturbed draft is accepted often
+
+
 def test_draft_with_wider_logits_is_exact(pair):
     """A draft whose logit width differs from the target's (padded vocabularies) stays lossless."""
     target, _ = pair

@@ -58,15 +58,30 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
 
 
+class Committed(list):
+    """One round's newly committed token ids, with their provenance: the first `accepted` were drafted and
+    accepted by the target; the rest (one, or none when a stop cut the round) the target produced itself
+    (a recovered token after a rejection, or the bonus token after a fully accepted draft)."""
+
+    def __init__(self, tokens: list[int], accepted: int) -> None:
+        super().__init__(tokens)
+        self.accepted = accepted
+
+    @property
+    def target(self) -> int:
+        """How many of these tokens the target produced."""
+        return len(self) - self.accepted
+
+
 class Generation:
-    """Iterate to get each round's newly committed tokens; `result` is filled as it goes.
+    """Iterate to get each round's newly committed tokens (`Committed`); `result` is filled as it goes.
     Closing the iterator early (a client went away) leaves the engine consistent."""
 
-    def __init__(self, rounds: Iterator[list[int]], result: GenerationResult) -> None:
+    def __init__(self, rounds: Iterator[Committed], result: GenerationResult) -> None:
         self._rounds = rounds
         self.result = result
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[Committed]:
         return self._rounds
 
     def close(self) -> None:
@@ -194,7 +209,7 @@ class SpeculativeGenerator:
     def _rounds(
         self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, policy: KPolicy,
         stop: StopFn | None, result: GenerationResult, stop_ids: frozenset[int], top_logprobs: int | None,
-    ) -> Iterator[list[int]]:
+    ) -> Iterator[Committed]:
         """Prefill, then rounds until max_new_tokens or a stop; yields each round's committed tokens."""
         stats, t_start = result.stats, time.perf_counter()
         max_new_tokens = min(max_new_tokens, self.target.max_length - len(prompt_ids))
@@ -228,7 +243,7 @@ class SpeculativeGenerator:
                 if committed and not stats.first_token_seconds:
                     stats.first_token_seconds = stats.seconds
                 if committed:
-                    yield committed
+                    yield Committed(committed, min(report.accepted, len(committed)))
                 if keep is not None:
                     return
             result.finish_reason = "length"
@@ -287,7 +302,7 @@ class SpeculativeGenerator:
         rounds = self._rounds(list(prompt_ids), params, max_new_tokens, policy, stop, result, stop_ids, logprobs)
         return Generation(self._guarded(rounds), result)
 
-    def _guarded(self, rounds: Iterator[list[int]]) -> Iterator[list[int]]:
+    def _guarded(self, rounds: Iterator[Committed]) -> Iterator[Committed]:
         """An exception inside a round (e.g. KeyboardInterrupt mid-forward) may leave a cache half
         updated: forget both caches then, so the next generation starts clean. Closing the generation
         between rounds (GeneratorExit at a yield) is a consistent point and keeps them."""
