@@ -412,3 +412,33 @@ def test_failed_configuration_is_left_out_of_the_aggregates(pair_dirs, monkeypat
     assert report["configs"][0]["overall"]["failed"] == 1
     assert report["failures"] == [f"b {p1}: ValueError: b cannot run prompt 1",
                                   f"plain {p2}: ValueError: plain cannot run prompt 2"]
+
+
+def test_cli_endpoint_bench_interrupted_keeps_what_was_measured(tmp_path, capsys, monkeypatch):
+    """Against endpoints too: Ctrl-C keeps the runs measured so far, with their speedups, and exits 130."""
+    import verispec.bench.endpoint as endpoint
+
+    def interrupted(endpoints, prompts, sampling, max_tokens, warmup, on_run):
+        for name, seconds in (("a", 2.0), ("b", 1.0), ("a", 2.0)):  # prompt 1 on both, prompt 2 on a
+            prompt = prompts[0] if len(calls) < 2 else prompts[1]
+            calls.append(name)
+            on_run(endpoint.EndpointRun(prompt.id, prompt.category, name, new_tokens=8, seconds=seconds, ttft=0.5))
+        raise KeyboardInterrupt
+
+    calls: list[str] = []
+    monkeypatch.setattr(endpoint, "run_endpoints", interrupted)
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--endpoint", "a=http://127.0.0.1:1/v1", "--endpoint", "b=http://127.0.0.1:2/v1",
+               "--limit", "2", "--json", "--json-out", str(out)])
+    assert rc == 130
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report == json.loads(out.read_text()) and report["status"] == "interrupted"
+    assert [(r["config"], r["speedup"]) for r in report["runs"]] == [("a", 1.0), ("b", 2.0), ("a", 1.0)]
+    assert captured.err.strip().splitlines()[-1] == "verispec: interrupted: the report holds the 3 runs measured before"
+
+
+def test_cli_bench_refuses_an_unwritable_json_out_before_measuring(tmp_path, capsys):
+    assert main(["bench", "--json-out", str(tmp_path / "missing" / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error: --json-out ") and "no such directory" in err and err.count("\n") == 1

@@ -294,10 +294,9 @@ def cmd_bench_endpoints(args) -> int:
     """`verispec bench --endpoint URL ...`: the prompt set against OpenAI-compatible servers, one table."""
     import datetime
 
-    from rich.console import Console
-
     from verispec.bench.endpoint import (
         EndpointError,
+        _set_speedups,
         build_endpoint_report,
         parse_endpoint,
         render_endpoint_table,
@@ -312,26 +311,32 @@ def cmd_bench_endpoints(args) -> int:
     prompts = _bench_prompts(args)
     endpoints = [parse_endpoint(text, args.endpoint_api_key) for text in args.endpoint]
     console = _stderr_console()
+    measured: list = []  # kept as it comes: an interrupted run still reports it
 
     def on_run(r) -> None:
+        measured.append(r)
         state = f"{r.tokens_per_second:.1f} tok/s" if r.ok else f"FAILED: {r.error}"
         console.print(f"bench {r.config} {r.prompt_id}: {state}", highlight=False, markup=False, soft_wrap=True)
 
+    status = "complete"
     try:
         runs, models = run_endpoints(endpoints, prompts, sampling, args.max_new_tokens, warmup=args.warmup,
                                      on_run=on_run)
     except EndpointError as exc:
         raise ValueError(str(exc)) from None
+    except KeyboardInterrupt:
+        runs, models, status = measured, {}, "interrupted"
+        _set_speedups(runs, endpoints[0].name)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
         "sampling": "greedy" if args.temperature == 0 else f"T={args.temperature} top_p={args.top_p}",
-        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
+        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "status": status,
     }
     report = build_endpoint_report(runs, endpoints, models, meta)
     _print_table(render_endpoint_table(report), args.json)
     _emit_json(report, args.json_out)
-    return 0
+    return _bench_outcome(status, None, None, len(runs))
 
 
 def cmd_bench(args) -> int:
