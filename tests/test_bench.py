@@ -264,3 +264,181 @@ def test_runs_follow_the_balanced_orders(pair_dirs, monkeypatch):
     assert len(follows) == 12 and set(follows.values()) == {1}
     for name in ("plain", "a", "b", "ngram"):
         assert sorted(block.index(name) for block in blocks) == [0, 1, 2, 3]
+
+# -- failures, interruptions, time to first token ------------------------------------------------------
+
+
+def _cli_bench(pair_dirs, tmp_path, lines: list[str], *extra: str) -> list[str]:
+    target, draft = pair_dirs
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    return ["bench", "--target", target, "--draft", draft, "--dtype", "fp32", "--prompts", str(prompts),
+            "--max-new-tokens", "8", "-k", "2", "--warmup", "0", "--json-out", str(tmp_path / "r.json"), *extra]
+
+
+def test_cli_bench_json_only_on_stdout_with_ttft(pair_dirs, tmp_path, capsys):
+    """--json: stdout is the JSON report alone (the table goes to stderr), the same document as --json-out;
+    plain and speculative runs report their time to first token and decode tokens/s, HF's loop does not."""
+    assert main(_cli_bench(pair_dirs, tmp_path, ["hello", "world"], "--json", "--compare", "hf")) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert captured.out.count("\n") == 1 and "speedup" in captured.err and "TTFT" in captured.err
+    assert report == json.loads((tmp_path / "r.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "r.json"]  # no temporary file left
+    assert report["status"] == "complete" and report["failures"] == []
+    for run in report["runs"]:
+        if run["config"] == "hf assisted":
+            assert run["ttft"] is None and run["decode_tokens_per_second"] is None
+        else:
+            assert 0 < run["ttft"] < run["seconds"]
+            assert run["first_tokens"] == 1 if run["config"] == "plain" else 1 <= run["first_tokens"] <= 3
+            after_first = (run["new_tokens"] - run["first_tokens"]) / (run["seconds"] - run["ttft"])
+            assert run["decode_tokens_per_second"] == pytest.approx(after_first)
+    overall = {c["name"]: c["overall"] for c in report["configs"]}
+    for name in ("plain", "verispec k=2"):
+        ttfts = [r["ttft"] for r in report["runs"] if r["config"] == name]
+        assert overall[name]["ttft_median"] == pytest.approx(sum(ttfts) / 2)  # two prompts: the mean
+        assert overall[name]["decode_tokens_per_second"] > 0
+    assert overall["hf assisted"]["ttft_median"] is None
+
+
+def test_cli_bench_failed_prompt_is_a_row_and_the_run_goes_on(pair_dirs, tmp_path, capsys):
+    """A prompt too long for the context fails in every configuration: failed rows with the reason, left out
+    of the aggregates; the prompts after it are measured and the report is written."""
+    assert main(_cli_bench(pair_dirs, tmp_path, ["hello", "x" * 5000, "world"])) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out.strip().splitlines()[-1])
+    assert report == json.loads((tmp_path / "r.json").read_text())
+    failed = [r for r in report["runs"] if r["error"]]
+    assert [(r["prompt_id"], r["config"]) for r in failed] == [("line-2", "plain"), ("line-2", "verispec k=2")]
+    assert all(r["error"].startswith("ValueError: the prompt has ") and r["new_tokens"] == 0 for r in failed)
+    assert report["failures"] == [f"{r['config']} line-2: {r['error']}" for r in failed]
+    assert "FAILED" in captured.err and "failed: plain line-2: ValueError" in captured.err
+    for config in report["configs"]:
+        ok = [r for r in report["runs"] if r["config"] == config["name"] and not r["error"]]
+        assert [r["prompt_id"] for r in ok] == ["line-1", "line-3"]
+        overall = config["overall"]
+        assert (overall["prompts"], overall["failed"]) == (3, 1)
+        tokens = sum(r["new_tokens"] for r in ok)
+        assert overall["new_tokens"] == tokens
+        assert overall["tokens_per_second"] == pytest.approx(tokens / sum(r["seconds"] for r in ok))
+    assert report["configs"][1]["overall"]["identity"]["checked"] == 2
+
+
+def test_cli_bench_interrupted_keeps_what_was_measured(pair_dirs, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the third prompt: the report (JSON file, stdout, plots) holds the first two prompts' runs,
+    says it was interrupted, and the exit status is 130."""
+    real, calls = harness._one, []
+
+    def interrupted(*args):
+        calls.append(args[2].name)
+        if len(calls) == 5:  # two configurations per prompt: the third prompt's first run
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(harness, "_one", interrupted)
+    argv = _cli_bench(pair_dirs, tmp_path, ["one", "two", "three"], "--plot-dir", str(tmp_path / "plots"))
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report == json.loads(captured.out.strip().splitlines()[-1])
+    assert report["status"] == "interrupted"
+    assert [(r["prompt_id"], r["config"]) for r in report["runs"]] == [
+        ("line-1", "plain"), ("line-1", "verispec k=2"), ("line-2", "plain"), ("line-2", "verispec k=2")]
+    assert report["configs"][1]["overall"]["speedup_median"] > 0
+    assert len(report["plots"]) == 3 and all((tmp_path / "plots" / name).is_file() for name in (
+        "speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_k.png"))
+    assert captured.err.strip().splitlines()[-1] == "verispec: interrupted: the report holds the 4 runs measured before"
+    assert not list(tmp_path.glob(".r.json.*"))
+
+
+def test_cli_bench_failure_keeps_what_was_measured(pair_dirs, tmp_path, capsys, monkeypatch):
+    """An error that ends the benchmark (not one run's): the report holds what was measured, exit status 1,
+    one line on stderr."""
+    real, calls = harness._prompt_runs, []
+
+    def broken(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("lost the device\ndetails")
+        return real(*args)
+
+    monkeypatch.setattr(harness, "_prompt_runs", broken)
+    assert main(_cli_bench(pair_dirs, tmp_path, ["one", "two"])) == 1
+    captured = capsys.readouterr()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["status"], report["error"]) == ("failed", "RuntimeError: lost the device")
+    assert [r["prompt_id"] for r in report["runs"]] == ["line-1", "line-1"]
+    assert captured.err.strip().splitlines()[-1] == (
+        "verispec: error: RuntimeError: lost the device (the report holds the 2 runs measured before)")
+
+
+def test_failed_configuration_is_left_out_of_the_aggregates(pair_dirs, monkeypatch):
+    """One configuration failing on one prompt: a failed Run for it (not retried in that prompt's later
+    repeats), the others measured; its aggregate speedup pairs its prompts with the baseline's same prompts.
+    A failed baseline leaves that prompt without speedups. TTFT pools as the mean over repeats."""
+    target, draft = pair_dirs
+    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    prompts = select(load_prompts(None), per_category=1)[:3]
+    configs = [Config("a", "spec", 1), Config("b", "spec", 2)]
+    seconds = {("plain", 0): 1.0, ("plain", 1): 4.0, ("a", 0): 0.5, ("a", 1): 2.0, ("b", 0): 0.5}
+    calls = []
+
+    def fake(pipe, proposers, config, ids, params, max_new):
+        i = ids[0]  # the prompt's index, see encode_prompt below
+        calls.append((config.name, i))
+        if (config.name, i) in (("b", 1), ("plain", 2)):
+            raise ValueError(f"{config.name} cannot run prompt {i}\nmore")
+        return dict(new_tokens=4, seconds=seconds.get((config.name, i), 1.0), token_ids=[1, 2, 3, 4],
+                    ttft=0.1 * (i + 1), first_tokens=1)
+
+    texts = [p.text for p in prompts]
+    monkeypatch.setattr(harness, "_one", fake)
+    monkeypatch.setattr(harness, "encode_prompt", lambda tokenizer, text, chat: [texts.index(text)])
+    runs = run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=4, warmup=0, repeats=2)
+    assert calls.count(("b", 1)) == 1 and calls.count(("a", 1)) == 2  # the failed one is not retried
+    by = {(r.prompt_id, r.config): r for r in runs}
+    p0, p1, p2 = (p.id for p in prompts)
+    assert by[(p1, "b")].error == "ValueError: b cannot run prompt 1" and by[(p1, "b")].speedup is None
+    assert by[(p1, "a")].ok and by[(p1, "a")].speedup == pytest.approx(2.0)
+    assert by[(p2, "plain")].error and by[(p2, "a")].ok and by[(p2, "a")].speedup is None
+    assert by[(p0, "a")].ttft == pytest.approx(0.1) and by[(p1, "a")].ttft == pytest.approx(0.2)
+    assert by[(p0, "a")].decode_tokens_per_second == pytest.approx((8 - 2) / (2 * 0.5 - 2 * 0.1))
+    report = build_report(runs, configs, {})
+    b = report["configs"][2]["overall"]
+    assert (b["prompts"], b["failed"], b["new_tokens"]) == (3, 1, 16)
+    assert b["speedup_aggregate"] == pytest.approx(2.0)  # prompt 0 against plain on prompt 0 alone
+    assert b["ttft_median"] == pytest.approx(0.2)  # prompts 0 and 2: 0.1 and 0.3
+    assert report["configs"][0]["overall"]["failed"] == 1
+    assert report["failures"] == [f"b {p1}: ValueError: b cannot run prompt 1",
+                                  f"plain {p2}: ValueError: plain cannot run prompt 2"]
+
+
+def test_cli_endpoint_bench_interrupted_keeps_what_was_measured(tmp_path, capsys, monkeypatch):
+    """Against endpoints too: Ctrl-C keeps the runs measured so far, with their speedups, and exits 130."""
+    import verispec.bench.endpoint as endpoint
+
+    def interrupted(endpoints, prompts, sampling, max_tokens, warmup, on_run):
+        for name, seconds in (("a", 2.0), ("b", 1.0), ("a", 2.0)):  # prompt 1 on both, prompt 2 on a
+            prompt = prompts[0] if len(calls) < 2 else prompts[1]
+            calls.append(name)
+            on_run(endpoint.EndpointRun(prompt.id, prompt.category, name, new_tokens=8, seconds=seconds, ttft=0.5))
+        raise KeyboardInterrupt
+
+    calls: list[str] = []
+    monkeypatch.setattr(endpoint, "run_endpoints", interrupted)
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--endpoint", "a=http://127.0.0.1:1/v1", "--endpoint", "b=http://127.0.0.1:2/v1",
+               "--limit", "2", "--json", "--json-out", str(out)])
+    assert rc == 130
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report == json.loads(out.read_text()) and report["status"] == "interrupted"
+    assert [(r["config"], r["speedup"]) for r in report["runs"]] == [("a", 1.0), ("b", 2.0), ("a", 1.0)]
+    assert captured.err.strip().splitlines()[-1] == "verispec: interrupted: the report holds the 3 runs measured before"
+
+
+def test_cli_bench_refuses_an_unwritable_json_out_before_measuring(tmp_path, capsys):
+    assert main(["bench", "--json-out", str(tmp_path / "missing" / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error: --json-out ") and "no such directory" in err and err.count("\n") == 1

@@ -67,9 +67,9 @@ def test_vocabulary_mismatch_is_refused_before_loading(pair_dirs, tmp_path, caps
     tok.add_tokens(["<extra>"])
     tiny_qwen2(5, vocab_size=264).save_pretrained(other)
     tok.save_pretrained(other)
-    assert main(["generate", "--target", target, "--draft", str(other), "--prompt", "a"]) == 2
+    assert main(["generate", "--target", target, "--draft", str(other), "--prompt", "a"]) == 1  # a model problem
     err = capsys.readouterr().err.strip()
-    assert "different vocabularies" in err and "\n" not in err
+    assert err.startswith("verispec: error:") and "different vocabularies" in err and "\n" not in err
 
 
 @pytest.mark.parametrize(
@@ -84,10 +84,11 @@ def test_vocabulary_mismatch_is_refused_before_loading(pair_dirs, tmp_path, caps
     ],
 )
 def test_bad_input_is_one_line_error(pair_dirs, capsys, extra, message):
+    """A bad flag value is a usage error: exit status 2, one line."""
     target, draft = pair_dirs
     assert main(["generate", "--target", target, "--draft", draft, "--prompt", "a", *extra]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and "\n" not in err
+    assert err.startswith("verispec: error:") and message in err and "\n" not in err
 
 
 @pytest.mark.parametrize("forward", ["auto", "lean", "transformers"])
@@ -112,7 +113,7 @@ def test_lean_forward_for_an_unsupported_draft_is_one_line_error(pair_dirs, tmp_
     gpt2.save_pretrained(tmp_path / "gpt2")
     tok.save_pretrained(tmp_path / "gpt2")
     common = ["--target", target, "--draft", str(tmp_path / "gpt2"), "--prompt", "Hi", "--max-new-tokens", "6"]
-    assert main(["generate", *common, "--draft-forward", "lean"]) == 2
+    assert main(["generate", *common, "--draft-forward", "lean"]) == 1  # found out on loading the model
     err = capsys.readouterr().err.strip()
     assert "model type 'gpt2'" in err and "\n" not in err
     assert _run_json(capsys, *common)["draft_forward"] == "transformers"  # auto falls back
@@ -120,8 +121,9 @@ def test_lean_forward_for_an_unsupported_draft_is_one_line_error(pair_dirs, tmp_
 
 def test_default_pair_missing_says_how_to_pull(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VERISPEC_HOME", str(tmp_path))
-    assert main(["generate", "--prompt", "hi"]) == 2
-    assert "verispec models pull" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi"]) == 1  # a model missing: a runtime failure
+    err = capsys.readouterr().err
+    assert "verispec models pull" in err and err.count("\n") == 1
 
 
 def test_target_without_draft_needs_no_speculation(pair_dirs, capsys):
@@ -143,10 +145,116 @@ def test_llamacpp_backend_without_the_extra_says_how_to_install(pair_dirs, capsy
         import_llama_cpp()
     target, draft = pair_dirs
     assert main(["generate", "--target", str(target), "--backend", "llamacpp", "--no-speculation",
-                 "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+                 "--prompt", "hi", "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "[llamacpp]" in err
     # the default draft backend (auto) falls back to transformers: the core package works without the extra
     out = _run_json(capsys, "--target", str(target), "--draft", str(draft), "--prompt", "hi",
                     "--max-new-tokens", "4")
     assert out["draft_backend"] == "hf" and len(out["token_ids"]) == 4
+
+
+# -- conventions: version, help, prompt sources, exit statuses -----------------------------------------
+
+
+def test_version(capsys):
+    import verispec
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"verispec {verispec.__version__}\n"
+
+
+def test_help_shows_every_flags_default(capsys):
+    """Every flag has help text that states its default (argparse's "(default: X)" or in words); rendering
+    every command's help also catches a stray '%' in a help string."""
+    import argparse
+
+    from verispec.cli import build_parser
+
+    assert main(["generate", "--help"]) == 0
+    assert "--max-new-tokens N most tokens to generate (default: 256)" in " ".join(capsys.readouterr().out.split())
+    assert main(["bench", "--help"]) == 0
+    assert "--max-new-tokens N most tokens to generate (default: 128)" in " ".join(capsys.readouterr().out.split())
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(commands) == {"generate", "chat", "bench", "serve", "export", "models"}
+    for name, command in commands.items():
+        command.format_help()
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction) or action.required:
+                continue
+            assert action.help, (name, action.dest)
+            assert "default" in formatter._expand_help(action), (name, action.dest)
+
+
+def test_system_message_reaches_the_chat_prompt(pair_dirs, capsys, monkeypatch):
+    """--system becomes the chat template's system message, before the user's (and implies --chat)."""
+    import verispec.text
+
+    target, draft = pair_dirs
+    real, prompts = verispec.text.encode_prompt, []
+
+    def spy(tokenizer, prompt, chat, system=None):
+        ids = real(tokenizer, prompt, chat, system)
+        prompts.append(tokenizer.decode(ids))
+        return ids
+
+    monkeypatch.setattr(verispec.text, "encode_prompt", spy)
+    common = ["--target", target, "--draft", draft, "--prompt", "Hi there", "--max-new-tokens", "4"]
+    with_system = _run_json(capsys, *common, "--system", "Answer in French.")
+    chat = _run_json(capsys, *common, "--chat")
+    assert prompts[0] == ("<|im_start|>system\nAnswer in French.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                          "<|im_start|>assistant\n")
+    assert prompts[1] == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    assert with_system["prompt_tokens"] > chat["prompt_tokens"]
+
+
+def test_prompt_from_stdin(pair_dirs, capsys, monkeypatch):
+    """--prompt - reads the prompt from standard input, less the final newline `echo` adds."""
+    import io
+
+    target, draft = pair_dirs
+    common = ["--target", target, "--draft", draft, "--max-new-tokens", "12", "--dtype", "fp32"]
+    given = _run_json(capsys, *common, "--prompt", "Once upon")
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once upon\n"))
+    piped = _run_json(capsys, *common, "--prompt", "-")
+    assert piped["prompt_tokens"] == given["prompt_tokens"] == len("Once upon")
+    assert piped["token_ids"] == given["token_ids"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["generate", *common, "--prompt", "-"]) == 2
+    assert "standard input is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--max-new-tokens", "x"], ["--no-such-flag"], ["--dtype", "int3"]])
+def test_usage_error_exits_2_with_one_line(pair_dirs, capsys, argv):
+    target, draft = pair_dirs
+    assert main(["generate", "--target", target, "--draft", draft, "--prompt", "a", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("verispec: error:") and captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_runtime_failure_exits_1_with_one_line(pair_dirs, tmp_path, capsys):
+    """A model that is not there, or a generation that fails (a prompt longer than the context), exits 1."""
+    target, _ = pair_dirs
+    assert main(["generate", "--target", str(tmp_path / "missing"), "--no-speculation", "--prompt", "a"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error: model ") and "not found" in err and err.count("\n") == 1
+    assert main(["generate", "--target", target, "--no-speculation", "--prompt", "x" * 5000]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error: generation failed: the prompt has 5000 tokens") and err.count("\n") == 1
+
+
+def test_unexpected_error_is_one_line_unless_asked(pair_dirs, capsys, monkeypatch):
+    """An exception verispec does not expect: its type and first line, exit 1; VERISPEC_TRACEBACK=1 raises it."""
+    import verispec.cli
+
+    def broken(args):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(verispec.cli, "_pipeline", broken)
+    assert main(["generate", "--prompt", "a", "--no-speculation"]) == 1
+    assert capsys.readouterr().err == "verispec: error: RuntimeError: boom\n"
+    monkeypatch.setenv("VERISPEC_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="boom"):
+        main(["generate", "--prompt", "a", "--no-speculation"])

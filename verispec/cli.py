@@ -1,4 +1,10 @@
-"""The `verispec` command. Thin: parses arguments and calls the library."""
+"""The `verispec` command. Thin: parses arguments and calls the library.
+
+Exit status: 0 done; 1 the command failed while running (a model missing or unloadable, generation failed,
+a file unreadable); 2 the command line is invalid (an unknown flag, a value out of range or that the library
+refuses); 130 interrupted. An error is one line on stderr, `verispec: error: ...`; VERISPEC_TRACEBACK=1 shows
+the traceback of an unexpected one.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +13,68 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 
+from verispec import __version__
 from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
+
+EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class UsageError(ValueError):
+    """The command line asks for something invalid (exit status 2)."""
+
+
+class CommandError(RuntimeError):
+    """The command failed while running (exit status 1); the message says why."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with verispec's error format: one line on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"verispec: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default: argparse's "(default: X)", unless the help text says it in words (as it
+    must where the default is None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or "default:" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
 
 
 def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -> None:
-    p.add_argument("--target", help="target model: known name, HF directory, .gguf file or hub id (default: the default pair)")
-    p.add_argument("--draft", help="draft model (same forms); default: the default pair's draft")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
+    p.add_argument("--target", help="target model: known name, HF directory, .gguf file or hub id (default: the "
+                                    "default pair's target)")
+    p.add_argument("--draft", help="draft model (same forms) (default: the default pair's draft when --target is "
+                                   "not given, else none)")
+    p.add_argument("--device", default="auto", type=_device_arg, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype")
     p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
     p.add_argument("--backend", default="hf", choices=["hf", "llamacpp"],
                    help="target backend: hf (transformers) or llamacpp (the GGUF file on llama.cpp; needs the "
-                        "[llamacpp] extra) (default hf)")
+                        "[llamacpp] extra)")
     p.add_argument("--draft-backend", default="auto", choices=["auto", "hf", "llamacpp"],
                    help="draft backend; backends can be mixed (e.g. a llama.cpp draft for a transformers "
-                        "target). auto (default): the target's")
+                        "target); auto: the target's")
     if speculation_flags:
         p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
                        help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
-                            "matches confidently, else the draft LM (default model)")
+                            "matches confidently, else the draft LM")
         p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=None,
-                       help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default 4; auto "
+                       help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: 4; auto "
                             "when the target or the draft runs on llama.cpp, where a fixed k can be slower than "
                             "plain decoding)")
         p.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
                        help="weight-only quantisation of the transformers draft (never the target; exactness "
-                            "unaffected). auto (default): int4 on the CPU, none elsewhere")
-        p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                            "unaffected); auto: int4 on the CPU, none elsewhere")
+        p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
                        help="the transformers draft scores only ~N frequent tokens (q = 0 elsewhere; exactness "
-                            "unaffected), e.g. 32768; 0 = all (default)")
+                            "unaffected), e.g. 32768; 0 = all")
         _add_draft_forward_arg(p)
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
 
@@ -44,36 +82,69 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
 def _add_draft_forward_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-forward", default="auto", choices=["auto", "lean", "transformers"],
                    help="how a transformers draft runs: lean (verispec's decode path for Llama/Qwen2/Mistral: "
-                        "fused layers, preallocated cache) or transformers' own forward. auto (default): lean "
-                        "where the architecture allows")
+                        "fused layers, preallocated cache) or transformers' own forward; auto: lean where the "
+                        "architecture allows")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N", help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the likeliest tokens whose probabilities sum to P; 1 = all")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than MIN_P times the likeliest one; 0 = none")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalise tokens already in the prompt or output (CTRL's penalty; > 1 penalises); 1 = none")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a fresh one each run)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable) (default: none)")
 
 
 def _k_arg(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        return int(text)
+        k = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or 'auto', got {k}")
+    return k
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int_arg(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _int_arg(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _int_arg(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _device_arg(text: str) -> str:
+    """auto, cpu, cuda or cuda:N; whether CUDA is there is for loading to find out."""
+    kind, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device '{text}' (use auto, cpu, cuda or cuda:N)")
 
 
 def _sampling(args):
-    """SamplingParams from the command line (also checks --max-new-tokens, which every command takes)."""
+    """SamplingParams from the command line (a value it refuses, a ValueError, is a usage error)."""
     from verispec.sampling import SamplingParams
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -98,21 +169,44 @@ def _pipeline(args):
                           args.backend, args.draft_backend, args.draft_vocab, args.draft_forward)
 
 
+def _prompt_text(prompt: str) -> str:
+    """--prompt's text; '-' reads standard input (less one final newline, which `echo` adds)."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read()
+    text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise UsageError("--prompt -: standard input is empty")
+    return text
+
+
+def _check_draft(args) -> None:
+    """A model drafter needs a draft: --draft, or the default pair's (when --target is not given)."""
+    if not args.no_speculation and args.drafter != "ngram" and args.target is not None and args.draft is None:
+        raise UsageError("no draft model: pass --draft (or --drafter ngram, or --no-speculation for plain decoding)")
+
+
 def cmd_generate(args) -> int:
     from verispec.text import TextAssembler, encode_prompt
 
     params = _sampling(args)
+    _check_draft(args)
+    prompt = _prompt_text(args.prompt)
     pipe = _pipeline(args)
-    prompt_ids = encode_prompt(pipe.tokenizer, args.prompt, args.chat)
+    # a system message is part of a chat template: --system implies --chat
+    prompt_ids = encode_prompt(pipe.tokenizer, prompt, args.chat or args.system is not None, args.system)
     text = TextAssembler(pipe.tokenizer, args.stop)
-    generation = pipe.generator.stream(
-        prompt_ids, params, max_new_tokens=args.max_new_tokens, stop=text.stop_index if args.stop else None
-    )
-    for chunk in generation:
-        piece = text.push(chunk)
-        if not args.json and piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+    try:
+        generation = pipe.generator.stream(
+            prompt_ids, params, max_new_tokens=args.max_new_tokens, stop=text.stop_index if args.stop else None
+        )
+        for chunk in generation:
+            piece = text.push(chunk)
+            if not args.json and piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except ValueError as exc:  # the engine refusing this prompt (e.g. too long for the context) is a failure
+        raise CommandError(f"generation failed: {exc}") from exc
     result = generation.result
     if args.json:
         text.finish()
@@ -143,6 +237,7 @@ def cmd_chat(args) -> int:
     from verispec.repl import run_repl
 
     params = _sampling(args)
+    _check_draft(args)
     pipe = _pipeline(args)
     bot = ChatBot(pipe, system_prompt=args.system, params=params, max_new_tokens=args.max_new_tokens,
                   stop=tuple(args.stop), measure_plain=args.measure_plain)
@@ -199,10 +294,9 @@ def cmd_bench_endpoints(args) -> int:
     """`verispec bench --endpoint URL ...`: the prompt set against OpenAI-compatible servers, one table."""
     import datetime
 
-    from rich.console import Console
-
     from verispec.bench.endpoint import (
         EndpointError,
+        _set_speedups,
         build_endpoint_report,
         parse_endpoint,
         render_endpoint_table,
@@ -217,29 +311,36 @@ def cmd_bench_endpoints(args) -> int:
     prompts = _bench_prompts(args)
     endpoints = [parse_endpoint(text, args.endpoint_api_key) for text in args.endpoint]
     console = _stderr_console()
+    measured: list = []  # kept as it comes: an interrupted run still reports it
 
     def on_run(r) -> None:
+        measured.append(r)
         state = f"{r.tokens_per_second:.1f} tok/s" if r.ok else f"FAILED: {r.error}"
         console.print(f"bench {r.config} {r.prompt_id}: {state}", highlight=False, markup=False, soft_wrap=True)
 
+    status = "complete"
     try:
         runs, models = run_endpoints(endpoints, prompts, sampling, args.max_new_tokens, warmup=args.warmup,
                                      on_run=on_run)
     except EndpointError as exc:
         raise ValueError(str(exc)) from None
+    except KeyboardInterrupt:
+        runs, models, status = measured, {}, "interrupted"
+        _set_speedups(runs, endpoints[0].name)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
         "sampling": "greedy" if args.temperature == 0 else f"T={args.temperature} top_p={args.top_p}",
-        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in",
+        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "status": status,
     }
     report = build_endpoint_report(runs, endpoints, models, meta)
-    Console(width=200).print(render_endpoint_table(report))
+    _print_table(render_endpoint_table(report), args.json)
     _emit_json(report, args.json_out)
-    return 0
+    return _bench_outcome(status, None, None, len(runs))
 
 
 def cmd_bench(args) -> int:
+    _check_json_out(args.json_out)
     if args.endpoint:
         return cmd_bench_endpoints(args)
     import datetime
@@ -293,20 +394,29 @@ def cmd_bench(args) -> int:
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
                         disable=not console.is_terminal)
     total = len(prompts) * (1 + len(configs))
-    done = 0
+    runs: list = []  # what was measured, kept as it comes: an interrupted or failed run still reports it
 
     def on_run(r) -> None:
-        nonlocal done
-        done += 1
-        last = f"{r.category}/{r.config}: {r.tokens_per_second:.1f} tok/s"
+        runs.append(r)
+        state = f"{r.tokens_per_second:.1f} tok/s" if r.ok else f"FAILED: {r.error}"
+        last = f"{r.category}/{r.config}: {state}"
         progress.update(task, advance=1, last=last)
         if not console.is_terminal:  # a log file: one line per run instead of a bar drawn only at the end
-            console.print(f"bench {done}/{total} {r.prompt_id} {last}", highlight=False, soft_wrap=True)
+            console.print(f"bench {len(runs)}/{total} {r.prompt_id} {last}", highlight=False, markup=False,
+                          soft_wrap=True)
 
+    status, error = "complete", None
     with progress:
         task = progress.add_task("bench", total=total, last="warm-up")
-        runs = run_benchmark(pipe, prompts, configs, params, args.max_new_tokens, warmup=args.warmup, on_run=on_run,
-                             repeats=args.repeats)
+        try:
+            run_benchmark(pipe, prompts, configs, params, args.max_new_tokens, warmup=args.warmup, on_run=on_run,
+                          repeats=args.repeats)
+        except KeyboardInterrupt:
+            status = "interrupted"
+        except Exception as exc:
+            if (isinstance(exc, ValueError) and not runs) or os.environ.get("VERISPEC_TRACEBACK"):
+                raise  # refused before measuring anything: a usage error, no report
+            status, error = "failed", _one_line(exc)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
@@ -318,24 +428,82 @@ def cmd_bench(args) -> int:
         "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab,
         "draft_forward": pipe.draft_forward, "draft_variants": variants,
         "backend": pipe.backend, "draft_backend": pipe.draft_backend,
+        "status": status, **({"error": error} if error else {}),
     }
     report = build_report(runs, configs, meta)
-    from rich.console import Console
-
-    Console(width=200).print(render_table(report))
+    _print_table(render_table(report), args.json)
+    for line in report["failures"]:
+        console.print(f"failed: {line}", highlight=False, markup=False, soft_wrap=True)
+    plot_error = None
     if args.plot_dir:
-        report["plots"] = [str(p) for p in write_plots(report, args.plot_dir)]
+        try:
+            report["plots"] = [str(p) for p in write_plots(report, args.plot_dir)]
+        except Exception as exc:  # the measurements matter more: the JSON is written all the same
+            plot_error = report["plot_error"] = _one_line(exc)
     _emit_json(report, args.json_out)
+    return _bench_outcome(status, error, plot_error, len(runs))
+
+
+def _bench_outcome(status: str, error: str | None, plot_error: str | None, measured: int) -> int:
+    """The exit status of a benchmark whose report is written; a failure says so in one line."""
+    if status == "interrupted":
+        print(f"verispec: interrupted: the report holds the {measured} runs measured before", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if status == "failed":
+        raise CommandError(f"{error} (the report holds the {measured} runs measured before)")
+    if plot_error:
+        raise CommandError(f"writing the plots failed: {plot_error}")
     return 0
 
 
+def _print_table(table, json_only: bool) -> None:
+    """The table for people: on stdout, or on stderr when stdout carries only the JSON."""
+    from rich.console import Console
+
+    Console(width=200, stderr=json_only).print(table)
+
+
+def _check_json_out(json_out: str | None) -> None:
+    """Refuse a --json-out that cannot be written before measuring anything."""
+    if json_out and not os.path.isdir(os.path.dirname(os.path.abspath(json_out))):
+        raise UsageError(f"--json-out {json_out}: no such directory")
+
+
 def _emit_json(report: dict, json_out: str | None) -> None:
-    """The report as one JSON line on stdout, and into `json_out` when given."""
+    """The report as one JSON line on stdout (after the table, or alone with --json), and into `json_out`
+    when given."""
     document = json.dumps(report)
+    print(document, flush=True)
     if json_out:
-        with open(json_out, "w") as f:
-            f.write(document + "\n")
-    print(document)
+        _write_atomically(json_out, document + "\n")
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write through a temporary file in the same directory and a rename: `path` holds the old document or the
+    new one, never part of one, whenever the process stops."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)  # the mode open() would give; mkstemp's is owner-only
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: its message's first line, after its type unless it is one of ours (a bad
+    value, a model problem, a command failure), whose messages are written for users."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if isinstance(exc, (ValueError, ModelError, CommandError)) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def cmd_serve(args) -> int:
@@ -347,6 +515,7 @@ def cmd_serve(args) -> int:
     if not _is_loopback(args.host) and api_key is None:
         print(f"verispec serve: warning: {args.host} is reachable from other machines and no API key is set "
               f"(--api-key or VERISPEC_API_KEY): anyone who can reach it can use it", file=sys.stderr, flush=True)
+    _check_draft(args)
     pipe = _pipeline(args)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, pipe.target_ref, "verispec") if n))
     settings = ServerSettings(model_names=names, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
@@ -391,8 +560,12 @@ def cmd_export(args) -> int:
     draft = None if args.drafter == "ngram" else args.draft or (DEFAULT_DRAFT if args.target is None else None)
     if args.drafter != "ngram" and draft is None:
         raise ValueError("no draft model: pass --draft (or --drafter ngram)")
+    try:  # export loads nothing: a model it cannot locate is a bad value on the command line
+        located = locate(args.engine, target), locate(args.engine, draft) if draft else None
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
     spec = ExportSpec(
-        target=locate(args.engine, target), draft=locate(args.engine, draft) if draft else None,
+        target=located[0], draft=located[1],
         drafter=args.drafter, k=args.num_draft_tokens, draft_vocab=args.draft_vocab,
         tensor_parallel_size=args.tensor_parallel_size, draft_tensor_parallel_size=args.draft_tensor_parallel_size,
         host=args.host, port=args.port, gpu_layers=args.gpu_layers, extra=tuple(shlex.split(args.engine_args)),
@@ -439,7 +612,10 @@ def cmd_models(args) -> int:
         return 0
     names = args.names or list(DEFAULT_PAIR)
     for name in names:
-        models.known(name)  # fail on an unknown name before doing anything
+        try:
+            models.known(name)  # fail on an unknown name before doing anything
+        except ModelError as exc:
+            raise UsageError(str(exc)) from None
     if args.action == "pull":
         for name in names:
             if models.installed(name):
@@ -465,106 +641,136 @@ def cmd_models(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    parser = _Parser(prog="verispec", description="Lossless speculative decoding.", formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for one prompt")
-    g.add_argument("--prompt", required=True)
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+
+    g = command("generate", "generate text for one prompt")
+    g.add_argument("--prompt", required=True, help="the prompt; - reads it from standard input (less one final "
+                                                   "newline)")
     g.add_argument("--chat", action="store_true", help="apply the chat template (the prompt is a user message)")
+    g.add_argument("--system", help="system message (implies --chat) (default: none)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="multi-turn chat with streaming answers and acceptance statistics")
-    c.add_argument("--system", help="system prompt")
+    c = command("chat", "multi-turn chat with streaming answers and acceptance statistics")
+    c.add_argument("--system", help="system message (default: none)")
     c.add_argument("--measure-plain", action="store_true",
                    help="after each answer, also time plain decoding of it and show the speedup")
     _add_model_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("bench", help="plain vs speculative decoding, same run: tables, JSON, plots")
-    b.add_argument("--prompts", help="Spec-Bench/MT-Bench jsonl, HumanEval jsonl(.gz) or text file (default: built-in set)")
-    b.add_argument("--limit", type=int, help="at most N prompts")
-    b.add_argument("--per-category", type=int, help="at most N prompts per category")
-    b.add_argument("--categories", help="only these categories, e.g. code-editing,summarization")
-    b.add_argument("--num-draft-tokens", "-k", default="4", help="k values to compare, e.g. 2,4,6,auto (default 4)")
-    b.add_argument("--drafters", default="model", help="drafters to compare, e.g. model,ngram,hybrid (default model)")
+    b = command("bench", "plain vs speculative decoding, same run: tables, JSON, plots")
+    b.add_argument("--prompts", help="Spec-Bench/MT-Bench jsonl, HumanEval jsonl(.gz) or text file (default: "
+                                     "the built-in set)")
+    b.add_argument("--limit", type=_positive_int, metavar="N", help="at most N prompts (default: all)")
+    b.add_argument("--per-category", type=_positive_int, metavar="N",
+                   help="at most N prompts per category (default: all)")
+    b.add_argument("--categories", help="only these categories, e.g. code-editing,summarization (default: all)")
+    b.add_argument("--num-draft-tokens", "-k", default="4", help="k values to compare, e.g. 2,4,6,auto")
+    b.add_argument("--drafters", default="model", help="drafters to compare, e.g. model,ngram,hybrid")
     b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup", "llama", "llama-lookup"],
                    help="also run an external reference: hf = Hugging Face assisted generation, "
                         "hf-lookup = its prompt lookup decoding, llama = llama-cpp-python's own decoding of the "
-                        "target's GGUF, llama-lookup = its prompt lookup decoding (repeatable)")
+                        "target's GGUF, llama-lookup = its prompt lookup decoding (repeatable) (default: none)")
     b.add_argument("--endpoint", action="append", default=[], metavar="[NAME=]URL",
                    help="benchmark an OpenAI-compatible server instead of local configurations (repeatable; "
                         "interleaved prompt by prompt, the first is the baseline), e.g. "
-                        "verispec=http://127.0.0.1:8000/v1")
-    b.add_argument("--endpoint-api-key", help="bearer token sent to the endpoints")
-    b.add_argument("--json-out", help="also write the JSON document to this file")
-    b.add_argument("--plot-dir", help="write PNG plots here")
-    b.add_argument("--warmup", type=int, default=1, help="warm-up generations per configuration (default 1)")
+                        "verispec=http://127.0.0.1:8000/v1 (default: none)")
+    b.add_argument("--endpoint-api-key", help="bearer token sent to the endpoints (default: none)")
+    b.add_argument("--json", action="store_true",
+                   help="stdout carries only the JSON report (one line); the table goes to stderr")
+    b.add_argument("--json-out", metavar="FILE",
+                   help="also write the JSON report to FILE, whole or not at all; also when the run is "
+                        "interrupted or fails (default: none)")
+    b.add_argument("--plot-dir", help="write PNG plots here (default: none)")
+    b.add_argument("--warmup", type=_non_negative_int, default=1, help="warm-up generations per configuration")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs per prompt and configuration, interleaved and pooled (total tokens / total seconds) "
-                        "before the ratio: single runs on a noisy machine swing by +-10-15%% (default 1)")
+                        "before the ratio: single runs on a noisy machine swing by +-10-15%%")
     b.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantisation of the transformers draft (auto: int4 on the CPU); HF assisted "
                         "generation always gets the bf16 draft, its library default")
-    b.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="the draft scores only ~N frequent tokens (HF assisted keeps the full head)")
+    b.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
+                   help="the draft scores only ~N frequent tokens (HF assisted keeps the full head); 0 = all")
     _add_draft_forward_arg(b)
-    b.add_argument("--draft-variants", metavar="LIST",
+    b.add_argument("--draft-variants", metavar="LIST", type=_draft_variants_arg,
                    help="more draft setups compared in the same run, e.g. llamacpp,hf-int4,hf-int4-v32768 "
-                        "(backend[-quant][-vVOCAB][-lean|-transformers]); shown as model[variant] / hybrid[variant]")
+                        "(backend[-quant][-vVOCAB][-lean|-transformers]); shown as model[variant] / "
+                        "hybrid[variant] (default: none)")
     _add_model_args(b, speculation_flags=False)
     _add_sampling_args(b)
     b.set_defaults(func=cmd_bench, max_new_tokens=128)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
-    sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $VERISPEC_API_KEY)")
+    sv = command("serve", "OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address")
+    sv.add_argument("--port", type=int, default=8000, help="port")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $VERISPEC_API_KEY, "
+                                      "else none)")
     sv.add_argument("--allowed-hosts", help="comma-separated host names the Host header may carry ('*': any; "
                                             "default: the bind address, with localhost names for a loopback one)")
     sv.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     sv.add_argument("--limit-concurrency", type=int, default=256,
-                    help="requests handled at once (streams included); beyond it 429 with Retry-After (default 256)")
-    sv.add_argument("--served-model-name", help="the model name clients use (the target's name is always accepted)")
-    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429 (default 64)")
-    sv.add_argument("--max-prompt-tokens", type=int, default=8192)
+                    help="requests handled at once (streams included); beyond it 429 with Retry-After")
+    sv.add_argument("--served-model-name", help="the model name clients use; the target's name is always "
+                                                "accepted (default: none besides it)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429")
+    sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
     sv.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
-    sv.add_argument("--default-max-tokens", type=int, default=512)
-    sv.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    sv.add_argument("--log-level", default="info")
+    sv.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens of a request that sets none")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
+    sv.add_argument("--log-level", default="info", help="uvicorn's log level")
     _add_model_args(sv)
     sv.set_defaults(func=cmd_serve)
 
-    ex = sub.add_parser("export", help="the launch command for vLLM, SGLang or llama-server with the same speculative "
-                                       "settings (for more GPUs, machines or users than one process serves)")
+    ex = command("export", "the launch command for vLLM, SGLang or llama-server with the same speculative "
+                           "settings (for more GPUs, machines or users than one process serves)")
     ex.add_argument("engine", choices=["vllm", "sglang", "llama-server"])
     ex.add_argument("--target", help="target model: known name (its cached HF directory, or GGUF for llama-server), "
-                                     "HF directory, .gguf file or hub id (default: the default pair)")
-    ex.add_argument("--draft", help="draft model (same forms); default: the default pair's draft")
+                                     "HF directory, .gguf file or hub id (default: the default pair's target)")
+    ex.add_argument("--draft", help="draft model (same forms) (default: the default pair's draft when --target is "
+                                    "not given, else none)")
     ex.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
-                    help="model: the draft LM; ngram: prompt lookup; hybrid: exported as the draft LM (default model)")
+                    help="model: the draft LM; ngram: prompt lookup; hybrid: exported as the draft LM")
     ex.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=4,
-                    help="draft tokens per round, or 'auto' (exported as 4: no engine has cost-aware k) (default 4)")
-    ex.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                    help="verispec's reduced draft vocabulary (reported as having no equivalent)")
+                    help="draft tokens per round, or 'auto' (exported as 4: no engine has cost-aware k)")
+    ex.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
+                    help="verispec's reduced draft vocabulary (reported as having no equivalent); 0 = all")
     ex.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the target is split over")
-    ex.add_argument("--draft-tensor-parallel-size", type=int, help="vLLM: GPUs for the draft (1 or the target's)")
-    ex.add_argument("--gpu-layers", type=int, help="llama-server: layers offloaded to the GPU (-ngl/-ngld), e.g. 99")
-    ex.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    ex.add_argument("--port", type=int, default=8000)
+    ex.add_argument("--draft-tensor-parallel-size", type=int,
+                    help="vLLM: GPUs for the draft, 1 or the target's (default: the engine's choice)")
+    ex.add_argument("--gpu-layers", type=int, help="llama-server: layers offloaded to the GPU (-ngl/-ngld), e.g. 99 "
+                                                   "(default: the engine's)")
+    ex.add_argument("--host", default="127.0.0.1", help="bind address")
+    ex.add_argument("--port", type=int, default=8000, help="port")
     ex.add_argument("--engine-args", default="", metavar="ARGS",
                     help="more flags passed to the engine verbatim, as one shell-quoted string, e.g. "
-                         "'--max-model-len 8192'")
+                         "'--max-model-len 8192' (default: none)")
     ex.set_defaults(func=cmd_export)
 
-    m = sub.add_parser("models", help="install, list and verify models")
+    m = command("models", "install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])
     m.add_argument("names", nargs="*", help=f"model names (default: the default pair); known: {', '.join(KNOWN_MODELS)}")
     m.set_defaults(func=cmd_models)
     return parser
+
+
+def _draft_variants_arg(text: str) -> str:
+    """--draft-variants: each variant parses (the text itself is kept)."""
+    from verispec.pipeline import parse_draft_variant
+
+    for variant in (v.strip() for v in text.split(",") if v.strip()):
+        try:
+            parse_draft_variant(variant)
+        except ModelError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _quiet_libraries() -> None:
@@ -578,16 +784,22 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; returns the exit status (see the module docstring)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse has already printed
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else EXIT_USAGE
     _quiet_libraries()
     try:
         return args.func(args)
-    except (ModelError, ValueError) as exc:
-        print(f"verispec: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("verispec: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if os.environ.get("VERISPEC_TRACEBACK"):
+            raise
+        print(f"verispec: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -89,10 +89,26 @@ class Run:
     repeats: int = 1
     repeat_speedups: list[float] = field(default_factory=list)  # one ratio per repeat, each against its own baseline
     repeat_tokens_per_second: list[float] = field(default_factory=list)  # each repeat's own tokens/s
+    ttft: float | None = None  # seconds to the first token (mean over repeats); None where not measured
+    first_tokens: int = 0  # tokens that came with the first one (a speculative round commits several)
+    error: str | None = None  # a failed run: why, in one line (it measured nothing)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
     @property
     def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.new_tokens / self.seconds if self.ok and self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens/s after the first token of each repeat (those committed with it left out): what decoding
+        sustains once the prompt is in."""
+        if not self.ok or self.ttft is None or self.new_tokens <= self.first_tokens:
+            return None
+        after_first = self.seconds - self.ttft * self.repeats
+        return (self.new_tokens - self.first_tokens) / after_first if after_first > 0 else None
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -105,14 +121,18 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int | str) -> dict:
     pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
-    result = pipe.generator.generate(ids, params, max_new_tokens=max_new, num_draft_tokens=k)
+    generation = pipe.generator.stream(ids, params, max_new_tokens=max_new, num_draft_tokens=k)
+    first_tokens = 0
+    for committed in generation:  # a round commits one token or several: count those that came first
+        first_tokens = first_tokens or len(committed)
+    result = generation.result
     s = result.stats
     return dict(
         new_tokens=s.new_tokens, seconds=s.seconds, token_ids=result.token_ids, drafted=s.drafted,
         accepted=s.accepted, rounds=s.rounds, accepted_per_position=s.accepted_per_position,
         drafted_per_position=s.drafted_per_position, draft_seconds=s.draft_seconds,
         target_seconds=s.target_seconds, prefill_seconds=s.prefill_seconds, draft_forwards=s.draft_forwards,
-        target_forwards=s.target_forwards,
+        target_forwards=s.target_forwards, ttft=s.first_token_seconds, first_tokens=first_tokens,
     )
 
 
@@ -188,14 +208,17 @@ def _run_llama(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: 
     eos = pipe.generator.eos_token_ids
     llm.reset()  # forget what this Llama believes its context holds (verispec may have used it since)
     new: list[int] = []
+    ttft = None
     t0 = time.perf_counter()
     for token in llm.generate(ids, reset=True, repeat_penalty=params.repetition_penalty, **sampling):
         new.append(int(token))
+        if ttft is None:
+            ttft = time.perf_counter() - t0
         if token in eos or len(new) >= max_new:
             break
     seconds = time.perf_counter() - t0
     pipe.generator.reset()  # the target's llama.cpp context may be this one: its cache no longer holds ours
-    return dict(new_tokens=len(new), seconds=seconds, token_ids=new)
+    return dict(new_tokens=len(new), seconds=seconds, token_ids=new, ttft=ttft, first_tokens=min(1, len(new)))
 
 
 def balanced_orders(n: int) -> list[list[int]]:
@@ -254,41 +277,70 @@ def run_benchmark(
 
 
 def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run, repeats) -> list[Run]:
+    """The measured runs, prompt after prompt. A configuration that fails on a prompt (e.g. the prompt does not
+    fit its context) becomes a failed Run for that prompt, skipped in the prompt's later repeats; the others
+    go on. `on_run` sees each prompt's Runs as soon as the prompt is done, so a caller keeps them when a
+    later prompt is interrupted."""
     runs: list[Run] = []
     orders = balanced_orders(len(order))
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         by_config: dict[str, list[Run]] = {c.name: [] for c in order}
+        failed: dict[str, str] = {}
         for r in range(repeats):
             # block after block, prompt after prompt, the next order of the design
             for config in (order[j] for j in orders[(i * repeats + r) % len(orders)]):
-                by_config[config.name].append(Run(prompt.id, prompt.category, config.name,
-                                                  **_one(pipe, proposers, config, ids, params, max_new_tokens)))
-        base_runs = by_config["plain"]
-        pooled_base = _pooled(base_runs, None)
-        for config in order:
-            mine = by_config[config.name]
-            if config.kind == "plain":
-                run = pooled_base
-            else:
-                for run, base in zip(mine, base_runs):
-                    run.speedup = run.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
-                    if params.greedy:
-                        run.first_diff = first_difference(run.token_ids, base.token_ids)
-                        run.identical = run.first_diff is None
-                run = _pooled(mine, pooled_base)
+                if config.name in failed:
+                    continue
+                try:
+                    measured = _one(pipe, proposers, config, ids, params, max_new_tokens)
+                except Exception as exc:  # this run's failure; KeyboardInterrupt (not an Exception) ends the benchmark
+                    failed[config.name] = _one_line(exc)
+                    continue
+                by_config[config.name].append(Run(prompt.id, prompt.category, config.name, **measured))
+        for run in _prompt_runs(prompt, order, by_config, failed, params):
             runs.append(run)
             if on_run is not None:
                 on_run(run)
     return runs
 
 
+def _prompt_runs(prompt: Prompt, order: list[Config], by_config: dict[str, list[Run]], failed: dict[str, str],
+                 params: SamplingParams) -> list[Run]:
+    """One Run per configuration for a prompt: its repeats pooled, speedup and identity against the baseline's
+    (none when the baseline failed), or a failed Run."""
+    base_runs = [] if "plain" in failed else by_config["plain"]
+    pooled_base = _pooled(base_runs, None) if base_runs else None
+    out = []
+    for config in order:
+        mine = by_config[config.name]
+        if config.name in failed:
+            out.append(Run(prompt.id, prompt.category, config.name, 0, 0.0, [], error=failed[config.name]))
+            continue
+        if config.kind == "plain":
+            out.append(pooled_base)
+            continue
+        for run, base in zip(mine, base_runs):
+            run.speedup = run.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
+            if params.greedy:
+                run.first_diff = first_difference(run.token_ids, base.token_ids)
+                run.identical = run.first_diff is None
+        out.append(_pooled(mine, pooled_base))
+    return out
+
+
+def _one_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 _SUMMED = ("new_tokens", "seconds", "drafted", "accepted", "rounds", "draft_seconds", "target_seconds",
-           "prefill_seconds", "draft_forwards", "target_forwards")
+           "prefill_seconds", "draft_forwards", "target_forwards", "first_tokens")
 
 
 def _pooled(repeats: list[Run], base: Run | None) -> Run:
     """One Run for a prompt's repeats of one configuration: counters and times summed, per-position counts
-    added, the first repeat's tokens; identical only if every repeat was; speedup against the pooled base."""
+    added, the first repeat's tokens, the mean time to first token; identical only if every repeat was;
+    speedup against the pooled base."""
     if len(repeats) == 1 and base is None:
         return repeats[0]
     first = repeats[0]
@@ -300,6 +352,8 @@ def _pooled(repeats: list[Run], base: Run | None) -> Run:
                                for j in range(width)])
     pooled.repeats = len(repeats)
     pooled.repeat_tokens_per_second = [r.tokens_per_second for r in repeats]
+    if all(r.ttft is not None for r in repeats):
+        pooled.ttft = sum(r.ttft for r in repeats) / len(repeats)
     if base is not None:
         pooled.repeat_speedups = [r.speedup for r in repeats if r.speedup is not None]
         pooled.speedup = pooled.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None

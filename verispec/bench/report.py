@@ -1,4 +1,5 @@
-"""Aggregate benchmark runs: speedups, acceptance, cost ratio c, α, the Leviathan bound; table, JSON, plots.
+"""Aggregate benchmark runs: speedups, time to first token, acceptance, cost ratio c, α, the Leviathan bound;
+table, JSON, plots. Failed runs are listed and counted, and left out of every aggregate.
 
 Leviathan et al. (2023): with per-token acceptance α, k drafts per round and a draft/target cost ratio c,
 the expected speedup is S(α, k, c) = (1 − α^(k+1)) / ((1 − α)(k·c + 1)). We measure c from the run's own
@@ -52,19 +53,33 @@ def _tokens_per_second(runs: list[Run]) -> float:
     return sum(r.new_tokens for r in runs) / seconds if seconds else 0.0
 
 
+def _decode_tokens_per_second(runs: list[Run]) -> float | None:
+    """Pooled tokens/s after each run's first token, over the runs that measured it."""
+    decoding = [r for r in runs if r.decode_tokens_per_second is not None]
+    after_first = sum(r.seconds - r.ttft * r.repeats for r in decoding)
+    return sum(r.new_tokens - r.first_tokens for r in decoding) / after_first if after_first > 0 else None
+
+
 def summarize(runs: list[Run], config: Config) -> dict:
-    """Aggregate one configuration's runs (any subset: a category or all). speedup_aggregate: this
-    configuration's total tokens/s over the baseline's on the same prompts."""
-    mine = [r for r in runs if r.config == config.name]
-    out: dict = {"prompts": len(mine), "new_tokens": sum(r.new_tokens for r in mine),
-                 "repeats": max((r.repeats for r in mine), default=1)}
+    """Aggregate one configuration's runs (any subset: a category or all); failed runs are counted, never
+    measured. speedup_aggregate: this configuration's total tokens/s over the baseline's on the same prompts.
+    ttft_median: the median over prompts of the time to the first token (None where not measured)."""
+    every = [r for r in runs if r.config == config.name]
+    mine = [r for r in every if r.ok]
+    out: dict = {"prompts": len(every), "failed": len(every) - len(mine),
+                 "new_tokens": sum(r.new_tokens for r in mine), "repeats": max((r.repeats for r in mine), default=1)}
     out["tokens_per_second"] = _tokens_per_second(mine)
-    speedups = [r.speedup for r in mine if r.speedup is not None]
-    if speedups:
-        base = _tokens_per_second([r for r in runs if r.config == "plain"])
+    out["decode_tokens_per_second"] = _decode_tokens_per_second(mine)
+    ttfts = [r.ttft for r in mine if r.ttft is not None]
+    out["ttft_median"] = statistics.median(ttfts) if ttfts else None
+    compared = [r for r in mine if r.speedup is not None]
+    if compared:
+        speedups = [r.speedup for r in compared]
+        prompt_ids = {r.prompt_id for r in compared}
+        base = _tokens_per_second([r for r in runs if r.config == "plain" and r.ok and r.prompt_id in prompt_ids])
         out.update(speedup_median=statistics.median(speedups), speedup_p25=_quantile(speedups, 0.25),
                    speedup_p75=_quantile(speedups, 0.75), speedup_min=min(speedups), speedup_max=max(speedups),
-                   speedup_aggregate=out["tokens_per_second"] / base if base else 0.0)
+                   speedup_aggregate=_tokens_per_second(compared) / base if base else 0.0)
     checked = [r for r in mine if r.identical is not None]
     if checked:
         out["identity"] = {
@@ -105,9 +120,11 @@ def build_report(runs: list[Run], configs: list[Config], meta: dict) -> dict:
         entry["by_category"] = {cat: summarize([r for r in runs if r.category == cat], config) for cat in categories}
         report["configs"].append(entry)
     report["runs"] = [
-        {k: v for k, v in r.__dict__.items() if k != "token_ids"} | {"tokens_per_second": r.tokens_per_second}
+        {k: v for k, v in r.__dict__.items() if k != "token_ids"}
+        | {"tokens_per_second": r.tokens_per_second, "decode_tokens_per_second": r.decode_tokens_per_second}
         for r in runs
     ]
+    report["failures"] = [f"{r.config} {r.prompt_id}: {r.error}" for r in runs if not r.ok]
     return report
 
 
@@ -119,8 +136,9 @@ def render_table(report: dict):
     table = Table(title=f"verispec bench: {report.get('target')} <- {report.get('draft')}{backends}  "
                         f"({report.get('device')}, {report.get('dtype')}, {report.get('sampling')}"
                         + (f", {report['repeats']} runs per prompt pooled" if report.get("repeats", 1) > 1 else "") + ")")
-    for col in ("config", "category", "prompts", "tok/s", "speedup (median [p25-p75])", "min", "agg.", "accept", "mean len",
-                "c", "alpha", "bound", "eff.", "identical"):
+    for col in ("config", "category", "prompts", "failed", "tok/s", "decode tok/s", "TTFT (median)",
+                "speedup (median [p25-p75])", "min", "agg.", "accept", "mean len", "c", "alpha", "bound", "eff.",
+                "identical"):
         table.add_column(escape(col), justify="left" if col in ("config", "category") else "right")
     for entry in report["configs"]:
         rows = [("all", entry["overall"])] + list(entry["by_category"].items())
@@ -129,8 +147,10 @@ def render_table(report: dict):
                      if "speedup_median" in s else "1.00x (baseline)" if entry["kind"] == "plain" else "-")
             ident = s.get("identity")
             table.add_row(
-                escape(entry["name"]) if cat == "all" else "", escape(cat), str(s["prompts"]),
-                f"{s['tokens_per_second']:.2f}", escape(speed),
+                escape(entry["name"]) if cat == "all" else "", escape(cat), str(s["prompts"]), str(s["failed"]),
+                f"{s['tokens_per_second']:.2f}",
+                "-" if s["decode_tokens_per_second"] is None else f"{s['decode_tokens_per_second']:.2f}",
+                "-" if s["ttft_median"] is None else f"{s['ttft_median']:.3f}s", escape(speed),
                 f"{s['speedup_min']:.2f}x" if "speedup_min" in s else "-",
                 f"{s['speedup_aggregate']:.2f}x" if "speedup_aggregate" in s else "-",
                 f"{s['acceptance_rate']:.1%}" if "acceptance_rate" in s else "-",
