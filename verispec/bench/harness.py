@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.adaptive import AdaptiveK
+from verispec.adaptive import CostAwareK
 from verispec.backends import HFModel
 from verispec.bench.loader import Prompt
 from verispec.pipeline import Pipeline
@@ -374,5 +374,5 @@ def _one(pipe: Pipeline, proposers: dict, config: Config, ids: list[int], params
     pipe.generator.proposer = proposers.get(config.drafter) if config.kind == "spec" else None
     if config.k == "auto":  # each configuration learns its own costs and acceptance across its prompts
         policies = pipe.extras.setdefault("k-policies", {})
-        pipe.generator.k_policy = policies.setdefault(config.name, AdaptiveK(k_max=pipe.generator.k_policy.k_max))
+        pipe.generator.k_policy = policies.setdefault(config.name, CostAwareK(k_max=pipe.generator.k_policy.k_max))
     return _run_engine(pipe, ids, params, max_new, config.k if config.kind == "spec" else 0)
