@@ -40,11 +40,8 @@ def engine(target, proposer=None, k=4, eos=()) -> SpeculativeGenerator:
     return SpeculativeGenerator(HFModel(target), proposer, eos_token_ids=eos, num_draft_tokens=k)
 
 
-def seq_of(ids, prompt_length=None) -> TokenSequence:
-    seq = TokenSequence(ids[:prompt_length] if prompt_length else ids, len(ids) + 64, torch.device("cpu"))
-    if prompt_length:
-        grow(seq, ids[prompt_length:])
-    return seq
+def seq_of(prompt: list[int]) -> TokenSequence:
+    return TokenSequence(prompt, len(prompt) + 64, torch.device("cpu"))
 
 
 def grow(seq: TokenSequence, ids: list[int]) -> None:
