@@ -237,7 +237,7 @@ def test_greedy_identical_to_plain(target, k, prompt):
     plain = engine(target).generate(prompt, max_new_tokens=40)
     spec = engine(target, SuffixProposer(), k=k).generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
-    if prompt is REPETITIVE:
+    if prompt is REPETITIVE and k != "auto":  # auto drafts only where measured costs say it pays
         assert spec.stats.drafted > 0 and spec.stats.accepted > 0
 
 
