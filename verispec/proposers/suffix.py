@@ -239,7 +239,8 @@ class SuffixProposer:
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         """Record the previous generation's output, then index `seq` (reusing the index when seq extends
-        the sequence it was built on, as the next turn of a chat does)."""
+        the sequence it was built on, as the next turn of a chat does: that output is then counted in both
+        tries, which only weighs it more in the ranking of continuations)."""
         if self._seq is not None:
             self._record(self._seq)
         text = self._text
