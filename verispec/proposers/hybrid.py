@@ -1,4 +1,5 @@
-"""Hybrid drafting: n-gram lookup when it has a confident match, the draft model otherwise."""
+"""Hybrid drafting: a free lookup drafter (n-gram or suffix) when it has a confident match, the draft model
+otherwise."""
 
 from __future__ import annotations
 
@@ -7,22 +8,28 @@ import torch
 from verispec.proposers.base import Draft
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.ngram import NgramProposer
+from verispec.proposers.suffix import SuffixProposer
 from verispec.sampling import SamplingParams
 from verispec.sequence import TokenSequence
 
 
-class HybridProposer:
-    """n-gram lookup when it has a confident match (the n-gram proposer's long kind: a suffix of at least its
-    `min_confident` tokens), the draft model otherwise. Sources: 'ngram' and 'model', so that a k policy can
-    switch the draft model off while free n-gram drafts keep going. The draft model catches up on the tokens
-    it skipped the next time it drafts."""
+Lookup = NgramProposer | SuffixProposer
+CONFIDENT = frozenset({"ngram", "suffix"})  # the lookup drafters' sources for a long (confident) match
 
-    def __init__(self, ngram: NgramProposer, model: DraftModelProposer) -> None:
-        self.ngram, self.model = ngram, model
-        self._last: NgramProposer | DraftModelProposer | None = None
+
+class HybridProposer:
+    """The lookup drafter when it has a confident match (its long kind: a suffix of at least its
+    `min_confident` tokens), the draft model otherwise. Sources: the lookup's ('ngram' or 'suffix') and
+    'model', so that a k policy can switch the draft model off while free lookup drafts keep going. The draft
+    model catches up on the tokens it skipped the next time it drafts."""
+
+    def __init__(self, lookup: Lookup, model: DraftModelProposer) -> None:
+        self.lookup, self.model = lookup, model
+        self._last: Lookup | DraftModelProposer | None = None
 
     def source(self, seq: TokenSequence) -> str:
-        return "ngram" if self.ngram.source(seq) == "ngram" else "model"
+        source = self.lookup.source(seq)
+        return source if source in CONFIDENT else "model"
 
     def pending(self, seq: TokenSequence) -> int:
         return self.model.pending(seq) if self.source(seq) == "model" else 0
@@ -31,14 +38,14 @@ class HybridProposer:
         return self.model.catch_up(seq, limit) if self.source(seq) == "model" else 0
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        self.ngram.start(seq, params, generator)
+        self.lookup.start(seq, params, generator)
         self.model.start(seq, params, generator)
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
-        if self.source(seq) == "ngram":
-            draft = self.ngram.propose(seq, k)
+        if self.source(seq) != "model":
+            draft = self.lookup.propose(seq, k)
             if draft.tokens.numel() > 0:
-                self._last = self.ngram
+                self._last = self.lookup
                 return draft
         self._last = self.model
         return self.model.propose(seq, k)
@@ -48,5 +55,5 @@ class HybridProposer:
             self._last.observe(seq, drafted, accepted)
 
     def reset(self) -> None:
-        self.ngram.reset()
+        self.lookup.reset()
         self.model.reset()
