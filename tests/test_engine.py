@@ -323,7 +323,7 @@ def test_loop_marginals_with_cost_learning_rounds(small_vocab_pair):
     for i in range(3000):
         eng.k_policy = CostAwareK(k_max=4)
         out = eng.generate([3, 1, 2], SamplingParams(temperature=1.0, seed=20_000 + i), max_new_tokens=steps + 2)
-        learned += eng.k_policy.by_source["model"].t_draft is not None
+        learned += eng.k_policy.by_source["model"].costs.t_draft is not None
         drafted += out.stats.draft_forwards > 0
         for pos, tok in enumerate(out.token_ids[:steps]):
             counts[pos, tok] += 1

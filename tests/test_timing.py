@@ -50,7 +50,7 @@ def test_round_stages_are_timed_by_the_engine_clock(k):
     assert out.stats.target_seconds == pytest.approx(0.5 * rounds)
     assert out.stats.draft_seconds == pytest.approx(0.25 * rounds)
     if k == "auto":
-        assert eng.k_policy.by_source["model"].t_verify[0] == pytest.approx(0.5)  # learnt from the clock: every pass cost 0.5 s
+        assert eng.k_policy.by_source["model"].costs.target.t_verify[0] == pytest.approx(0.5)  # learnt from the clock: every pass cost 0.5 s
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
