@@ -278,7 +278,7 @@ def test_bench_configurations_are_pipelines_sharing_models(pair_dirs, monkeypatc
     bench = _tiny_bench(pair_dirs)
     configs = [Config("model k=2", "spec", 2), Config("model k=auto", "spec", "auto"),
                Config("hybrid k=auto", "spec", "auto", "hybrid"), Config("ngram k=3", "spec", 3, "ngram"),
-               Config("model[hf-int8] k=auto", "spec", "auto", "model", "hf-int8"), Config("hf assisted", "hf")]
+               Config("model[hf-int8] k=auto", "spec", "auto", "model[hf-int8]"), Config("hf assisted", "hf")]
     prompts = select(load_prompts(None), per_category=1)[:1]
     runs = run_benchmark(bench, prompts, configs, SamplingParams(), max_new_tokens=6, warmup=0)
     assert sorted(loads) == sorted([(target, "none"), (draft, "int4"), (draft, "int8")])

@@ -22,7 +22,7 @@ import torch
 from verispec.backends import HFModel
 from verispec.backends.base import Model
 from verispec.backends.lean import LeanModel, lean_unsupported
-from verispec.engine import SpeculativeGenerator, _check_k
+from verispec.engine import SpeculativeGenerator
 from verispec.loading import (
     DTYPES,
     check_same_vocabulary,
@@ -164,10 +164,9 @@ def _label(model: object) -> str:
 
 def check_k(k: int | str) -> int | str:
     """k: draft tokens per round, an integer >= 0 (0: plain decoding) or 'auto' (cost-aware adaptive k)."""
-    try:
-        return _check_k(k)
-    except ValueError as exc:
-        raise SpecError(f"k must be an integer >= 0 or 'auto', got {k!r}", "k") from exc
+    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise SpecError(f"k must be an integer >= 0 or 'auto', got {k!r}", "k")
+    return k
 
 
 # -- registries ------------------------------------------------------------------------------------
@@ -296,24 +295,26 @@ def resolve(target: TargetSpec, draft: DraftSpec | None) -> tuple[TargetSpec, Dr
     target = replace(target, backend=backend)
     if is_loaded(target.model):
         device = _model_device(target.model)
-        if target.device not in ("auto", str(device), device.type):
-            raise SpecError(f"a loaded model runs on the device it is on ({device}), not '{target.device}': move "
-                            f"it first", "target.device")
     else:
-        device = resolve_device(target.device)
-    target = replace(target, device=str(device))
+        try:
+            device = resolve_device(target.device)
+        except ModelError as exc:  # e.g. CUDA asked for where there is none
+            raise SpecError(str(exc), "target.device") from None
     if draft is not None and draft.model is not None:
         # a loaded draft is used as given: quantisation would rebuild its layers in place
         quant = "none" if draft.quant == "auto" and is_loaded(draft.model) else draft.quant
         draft = replace(draft, backend=draft_backend, quant=choose_draft_quant(quant, draft_backend, device))
-    check_specs(target, draft)
-    return target, draft, device
+    check_specs(target, draft, device)
+    return replace(target, device=str(device)), draft, device
 
 
-def check_specs(target: TargetSpec, draft: DraftSpec | None) -> None:
+def check_specs(target: TargetSpec, draft: DraftSpec | None, device: torch.device) -> None:
     """Every rule about how the fields of resolved specs combine (each field alone was checked when its
-    spec was made). Raises SpecError naming the field at fault."""
+    spec was made); `device`: where the pipeline will run. Raises SpecError naming the field at fault."""
     if is_loaded(target.model):
+        if target.device not in ("auto", str(device), device.type):
+            raise SpecError(f"a loaded model runs on the device it is on ({device}), not '{target.device}': move "
+                            f"it first", "target.device")
         if not BACKENDS[target.backend].loaded_models:
             raise SpecError(f"a loaded transformers model runs on a backend that takes one (not "
                             f"'{target.backend}'); pass a GGUF file for llama.cpp", "target.backend")

@@ -120,9 +120,8 @@ def _specs(args, drafter: str | None):
     target_spec = TargetSpec(target, args.backend, args.device, args.dtype, args.ctx_size)
     if drafter is None:
         return target_spec, None
-    forward = getattr(args, "draft_forward", "auto")
     return target_spec, DraftSpec(drafter, None if drafter == "ngram" else draft, args.draft_backend,
-                                  args.draft_quant, args.draft_vocab, forward, args.ctx_size)
+                                  args.draft_quant, args.draft_vocab, args.draft_forward, args.ctx_size)
 
 
 def _pipeline(args):
@@ -309,8 +308,8 @@ def cmd_bench(args) -> int:
             parse_draft_variant(v)  # refuse a bad one before loading anything
     named = len(drafters) > 1 or bool(variants)
     configs = [Config(f"{d} k={k}" if named else f"verispec k={k}", "spec", k, d) for d in drafters for k in ks]
-    configs += [Config(f"{d}[{v}] k={k}", "spec", k, d, v) for v in variants for d in drafters if d != "ngram"
-                for k in ks]
+    configs += [Config(f"{d}[{v}] k={k}", "spec", k, f"{d}[{v}]")
+                for v in variants for d in drafters if d != "ngram" for k in ks]
     if "hf" in args.compare:
         configs.append(Config("hf assisted", "hf"))
     if "hf-lookup" in args.compare:
@@ -323,8 +322,7 @@ def cmd_bench(args) -> int:
     with _spec_errors():
         target_spec, draft_spec = _specs(args, "model" if needs_draft else "ngram")
         bench = Bench(target_spec, draft_spec)
-        # the bench's own draft setup, for the report's header
-        pipe = bench.pipeline(Config("own", "spec", ks[0], "model" if needs_draft else "ngram"))
+        pipe = bench.pipeline(Config("own", "spec", ks[0], "model" if needs_draft else "ngram"))  # for the header
     target, draft = pipe.target_ref, draft_spec.label if draft_spec is not None else None
     console = _stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),

@@ -92,24 +92,21 @@ def sampling_settings(generation_config=None, **explicit: Any) -> tuple[Sampling
     top_k, min_p, repetition_penalty, max_new_tokens; do_sample false or unset: greedy) overlaid with the
     keyword arguments that are not None, which win. Unset everywhere: greedy, DEFAULT_MAX_NEW_TOKENS."""
     settings: dict[str, Any] = {}
-    max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-    if generation_config is not None:
-        if getattr(generation_config, "do_sample", False):
-            settings["temperature"] = 1.0 if generation_config.temperature is None else generation_config.temperature
-            for name in ("top_p", "top_k", "min_p"):
-                if getattr(generation_config, name, None) is not None:
-                    settings[name] = getattr(generation_config, name)
+    max_new_tokens = explicit.pop("max_new_tokens", None)
+    config = generation_config
+    if config is not None:
+        if getattr(config, "do_sample", False):
+            settings["temperature"] = 1.0 if config.temperature is None else config.temperature
+            settings.update({name: getattr(config, name) for name in ("top_p", "top_k", "min_p")
+                             if getattr(config, name, None) is not None})
         else:
             settings["temperature"] = 0.0
-        if getattr(generation_config, "repetition_penalty", None) is not None:
-            settings["repetition_penalty"] = generation_config.repetition_penalty
-        if getattr(generation_config, "max_new_tokens", None) is not None:
-            max_new_tokens = generation_config.max_new_tokens
-    if explicit.get("max_new_tokens") is not None:
-        max_new_tokens = explicit.pop("max_new_tokens")
-    explicit.pop("max_new_tokens", None)
+        if getattr(config, "repetition_penalty", None) is not None:
+            settings["repetition_penalty"] = config.repetition_penalty
+        if max_new_tokens is None:
+            max_new_tokens = getattr(config, "max_new_tokens", None)
     settings.update({name: value for name, value in explicit.items() if value is not None})
-    return SamplingParams(**settings), max_new_tokens
+    return SamplingParams(**settings), DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
 
 
 @dataclass(frozen=True)

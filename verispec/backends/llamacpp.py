@@ -111,15 +111,16 @@ def kv_bytes_per_token(meta: Mapping[str, object]) -> int:
     """Bytes of KV cache per token: over the layers, KV heads x (key + value head size) x 2 bytes (f16), from
     the GGUF metadata (head sizes default to embedding_length / head_count; per-layer head counts are summed)."""
     arch = meta["general.architecture"]
-    layers = int(meta[f"{arch}.block_count"])
-    heads = int(meta[f"{arch}.attention.head_count"] if not isinstance(meta[f"{arch}.attention.head_count"], list)
-                else max(meta[f"{arch}.attention.head_count"]))
-    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    head_dim = int(meta[f"{arch}.embedding_length"]) // heads
+
+    def per_layer(value) -> list[int]:  # a count for every layer, or one for all of them
+        return [int(v) for v in value] if isinstance(value, list) else [int(value)] * int(meta[f"{arch}.block_count"])
+
+    heads = per_layer(meta[f"{arch}.attention.head_count"])
+    kv_heads = per_layer(meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"]))
+    head_dim = int(meta[f"{arch}.embedding_length"]) // max(heads)
     key = int(meta.get(f"{arch}.attention.key_length", head_dim))
     value = int(meta.get(f"{arch}.attention.value_length", head_dim))
-    total_kv_heads = sum(int(h) for h in kv_heads) if isinstance(kv_heads, list) else layers * int(kv_heads)
-    return total_kv_heads * (key + value) * KV_BYTES_PER_VALUE
+    return sum(kv_heads) * (key + value) * KV_BYTES_PER_VALUE
 
 
 def available_memory() -> int | None:

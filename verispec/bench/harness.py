@@ -28,8 +28,7 @@ class Config:
     # llama (llama-cpp-python's own decoding of the target's GGUF), llama-lookup (its prompt lookup decoding)
     kind: str
     k: int | str = 0  # or "auto"
-    drafter: str = "model"  # for spec: model, ngram or hybrid
-    variant: str | None = None  # for spec: a draft variant (parse_draft_variant), None: the bench's own draft
+    drafter: str = "model"  # for spec: model, ngram or hybrid; model[VARIANT] / hybrid[VARIANT]: another draft setup
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -68,16 +67,18 @@ class Bench:
 
     def draft_spec(self, config: Config) -> DraftSpec | None:
         """The draft spec of a configuration: none for plain decoding and the references, n-gram lookup, or
-        the bench's draft spec with the configuration's drafter and variant."""
+        the bench's draft spec with the configuration's drafter and draft variant ('model[hf-int4]': the
+        variant's backend, quantisation, vocabulary and forward)."""
         if config.kind != "spec":
             return None
-        if config.drafter == "ngram":
+        drafter, _, variant = config.drafter.rstrip("]").partition("[")
+        if drafter == "ngram":
             return DraftSpec("ngram")
         if self.draft is None or self.draft.model is None:
             raise ValueError(f"configuration '{config.name}' needs a draft model")
-        spec = replace(self.draft, drafter=config.drafter)
-        if config.variant is not None:
-            backend, quant, vocab, forward = parse_draft_variant(config.variant)
+        spec = replace(self.draft, drafter=drafter)
+        if variant:
+            backend, quant, vocab, forward = parse_draft_variant(variant)
             spec = replace(spec, backend=backend, quant=quant, vocab=vocab, forward=forward)
         return spec
 
