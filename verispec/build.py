@@ -435,9 +435,6 @@ class ModelStore:
         implementation to run."""
         return self._get(("transformers", ref, str(device), dtype), lambda: load_model(ref, device, dtype))
 
-    def load_seconds(self, *keys: tuple) -> float:
-        return sum(self.seconds.get(key, 0.0) for key in keys)
-
 
 # -- the builder ----------------------------------------------------------------------------------------
 

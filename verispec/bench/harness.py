@@ -11,7 +11,7 @@ import torch
 
 from verispec.backends import HFModel
 from verispec.bench.loader import Prompt
-from verispec.build import DRAFT_FORWARDS, BACKENDS, DraftSpec, ModelStore, SpecError, TargetSpec, build, resolve
+from verispec.build import BACKENDS, DRAFT_FORWARDS, DraftSpec, ModelStore, SpecError, TargetSpec, build, resolve
 from verispec.pipeline import Pipeline
 from verispec.quant import QUANT_MODES
 from verispec.sampling import SamplingParams
@@ -23,6 +23,8 @@ LOOKUP_CONTEXT = 4096  # llama-cpp-python's prompt lookup keeps n_ctx x V float3
 
 @dataclass(frozen=True)
 class Config:
+    """One benchmarked configuration: its name in the report, its kind, and for verispec its k and drafter."""
+
     name: str
     # plain (the baseline), spec (verispec), hf (HF assisted generation), hf-lookup (HF prompt lookup),
     # llama (llama-cpp-python's own decoding of the target's GGUF), llama-lookup (its prompt lookup decoding)
