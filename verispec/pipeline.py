@@ -109,7 +109,7 @@ def sampling_settings(generation_config=None, **explicit: Any) -> tuple[Sampling
     return SamplingParams(**settings), DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Pipeline:
     """A target, its drafter and k, ready to generate. `generator` is the engine (token ids in and out);
     `target` and `draft` are the resolved specs it was built from (`draft` None: plain decoding);
