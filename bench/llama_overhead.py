@@ -22,9 +22,9 @@ from collections import defaultdict
 import llama_cpp
 
 from verispec.bench import harness
-from verispec.bench.harness import Config, balanced_orders, proposers_for
+from verispec.bench.harness import Bench, Config, balanced_orders
 from verispec.bench.loader import load_prompts, select
-from verispec.pipeline import build_pipeline
+from verispec.build import DraftSpec, TargetSpec
 from verispec.sampling import SamplingParams
 from verispec.text import encode_prompt
 
@@ -76,10 +76,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
-    pipe = build_pipeline("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "cpu", "bf16", "auto",
-                          "model", "auto", "llamacpp", "llamacpp")
+    bench = Bench(TargetSpec("qwen2.5-coder-1.5b-instruct", "llamacpp", "cpu"),
+                  DraftSpec("model", "qwen2.5-coder-0.5b-instruct", "llamacpp"))
+    pipe = bench.baseline
     target_ctx = _address(pipe.generator.target._ctx)
-    proposers = proposers_for(pipe)
     prompts = select(load_prompts(args.prompts), limit=args.limit)
     params = SamplingParams()
     orders = balanced_orders(len(DECODERS))
@@ -88,13 +88,13 @@ def main() -> None:
     with DecodeTimer() as timer:
         ids0 = encode_prompt(pipe.tokenizer, prompts[0].text, prompts[0].chat)
         for config in DECODERS:  # warm-up
-            harness._one(pipe, proposers, config, ids0, params, 8)
+            harness._one(bench, config, ids0, params, 8)
         for i, prompt in enumerate(prompts):
             ids = encode_prompt(pipe.tokenizer, prompt.text, prompt.chat)
             for j in orders[i % len(orders)]:
                 config = DECODERS[j]
                 timer.clear()
-                out = harness._one(pipe, proposers, config, ids, params, args.max_new_tokens)
+                out = harness._one(bench, config, ids, params, args.max_new_tokens)
                 t = totals[config.name]
                 t["seconds"] += out["seconds"]
                 t["new_tokens"] += out["new_tokens"]

@@ -10,7 +10,7 @@ import pytest
 from tiny import save_tiny_pair
 
 import verispec.bench.harness as harness
-from verispec.bench.harness import Config, balanced_orders, first_difference, run_benchmark
+from verispec.bench.harness import Bench, Config, balanced_orders, first_difference, run_benchmark
 from verispec.bench.loader import load_prompts, select
 from verispec.bench.report import (
     alpha_from_mean_length,
@@ -18,8 +18,8 @@ from verispec.bench.report import (
     leviathan_bound,
     write_plots,
 )
+from verispec.build import BACKENDS, Backend, DraftSpec, TargetSpec
 from verispec.cli import main
-from verispec.pipeline import build_pipeline
 from verispec.sampling import SamplingParams
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -80,13 +80,18 @@ def test_prompt_formats(tmp_path):
         load_prompts(bad)
 
 
+def _tiny_bench(pair_dirs) -> Bench:
+    target, draft = pair_dirs
+    return Bench(TargetSpec(target, device="cpu", dtype="fp32"), DraftSpec("model", draft))
+
+
 def _bench(pair_dirs, monkeypatch=None, params=SamplingParams()):
     target, draft = pair_dirs
-    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    bench = _tiny_bench(pair_dirs)
     prompts = select(load_prompts(None), per_category=1)[:4]
     configs = [Config("verispec k=2", "spec", 2), Config("verispec k=4", "spec", 4), Config("hf assisted", "hf"),
                Config("ngram k=3", "spec", 3, "ngram"), Config("hf prompt lookup", "hf-lookup")]
-    runs = run_benchmark(pipe, prompts, configs, params, max_new_tokens=12)
+    runs = run_benchmark(bench, prompts, configs, params, max_new_tokens=12)
     return build_report(runs, configs, {"target": target, "draft": draft}), runs
 
 
@@ -170,8 +175,8 @@ def test_cli_bench_draft_variants_same_run(pair_dirs, tmp_path, capsys):
 
 
 def test_parse_draft_variant():
+    from verispec.bench.harness import parse_draft_variant
     from verispec.models import ModelError
-    from verispec.pipeline import parse_draft_variant
 
     assert parse_draft_variant("llamacpp") == ("llamacpp", "none", 0, "auto")
     assert parse_draft_variant("hf-int4-v32768") == ("hf", "int4", 32768, "auto")
@@ -187,8 +192,7 @@ def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
     """--repeats: every configuration runs N times per prompt, the order balanced; a Run pools them (summed
     tokens, seconds, counters) and its speedup is pooled tokens/s over the pooled baseline's; one mismatching
     repeat makes the prompt non-identical."""
-    target, draft = pair_dirs
-    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    bench = _tiny_bench(pair_dirs)
     prompts = select(load_prompts(None), per_category=1)[:2]
     configs = [Config("verispec k=3", "spec", 3)]
     real = harness._run_engine
@@ -203,7 +207,7 @@ def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
         return out
 
     monkeypatch.setattr(harness, "_run_engine", recorded)
-    runs = run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=8, warmup=0, repeats=3)
+    runs = run_benchmark(bench, prompts, configs, SamplingParams(), max_new_tokens=8, warmup=0, repeats=3)
     assert calls == [0, 3, 3, 0, 0, 3] + [3, 0, 0, 3, 3, 0]  # A B, B A, ... across prompts and repeats
     assert [(r.prompt_id, r.config, r.repeats) for r in runs] == [
         (prompts[0].id, "plain", 3), (prompts[0].id, "verispec k=3", 3),
@@ -219,7 +223,7 @@ def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
     overall = report["configs"][1]["overall"]
     assert overall["repeats"] == 3 and overall["speedup_aggregate"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="repeats must be >= 1"):
-        run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=8, warmup=0, repeats=0)
+        run_benchmark(bench, prompts, configs, SamplingParams(), max_new_tokens=8, warmup=0, repeats=0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
@@ -245,18 +249,17 @@ def test_runs_follow_the_balanced_orders(pair_dirs, monkeypatch):
     (Rotating one order made the baseline always follow the same configuration.)"""
     from collections import Counter
 
-    target, draft = pair_dirs
-    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    bench = _tiny_bench(pair_dirs)
     prompts = select(load_prompts(None), per_category=1)[:2]
     configs = [Config("a", "spec", 1), Config("b", "spec", 2), Config("ngram", "spec", 3, "ngram")]
     seen = []
 
-    def fake(pipe, proposers, config, ids, params, max_new):
+    def fake(bench, config, ids, params, max_new):
         seen.append(config.name)
         return dict(new_tokens=4, seconds=1.0, token_ids=[1, 2, 3, 4])
 
     monkeypatch.setattr(harness, "_one", fake)
-    runs = run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=4, warmup=0, repeats=2)
+    runs = run_benchmark(bench, prompts, configs, SamplingParams(), max_new_tokens=4, warmup=0, repeats=2)
     assert len(seen) == 2 * 2 * 4 and len(runs) == 2 * 4
     blocks = [seen[i : i + 4] for i in range(0, len(seen), 4)]
     assert blocks[0] == ["plain", "a", "ngram", "b"]
@@ -331,7 +334,7 @@ def test_cli_bench_interrupted_keeps_what_was_measured(pair_dirs, tmp_path, caps
     real, calls = harness._one, []
 
     def interrupted(*args):
-        calls.append(args[2].name)
+        calls.append(args[1].name)
         if len(calls) == 5:  # two configurations per prompt: the third prompt's first run
             raise KeyboardInterrupt
         return real(*args)
@@ -377,14 +380,13 @@ def test_failed_configuration_is_left_out_of_the_aggregates(pair_dirs, monkeypat
     """One configuration failing on one prompt: a failed Run for it (not retried in that prompt's later
     repeats), the others measured; its aggregate speedup pairs its prompts with the baseline's same prompts.
     A failed baseline leaves that prompt without speedups. TTFT pools as the mean over repeats."""
-    target, draft = pair_dirs
-    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    bench = _tiny_bench(pair_dirs)
     prompts = select(load_prompts(None), per_category=1)[:3]
     configs = [Config("a", "spec", 1), Config("b", "spec", 2)]
     seconds = {("plain", 0): 1.0, ("plain", 1): 4.0, ("a", 0): 0.5, ("a", 1): 2.0, ("b", 0): 0.5}
     calls = []
 
-    def fake(pipe, proposers, config, ids, params, max_new):
+    def fake(bench, config, ids, params, max_new):
         i = ids[0]  # the prompt's index, see encode_prompt below
         calls.append((config.name, i))
         if (config.name, i) in (("b", 1), ("plain", 2)):
@@ -395,7 +397,7 @@ def test_failed_configuration_is_left_out_of_the_aggregates(pair_dirs, monkeypat
     texts = [p.text for p in prompts]
     monkeypatch.setattr(harness, "_one", fake)
     monkeypatch.setattr(harness, "encode_prompt", lambda tokenizer, text, chat: [texts.index(text)])
-    runs = run_benchmark(pipe, prompts, configs, SamplingParams(), max_new_tokens=4, warmup=0, repeats=2)
+    runs = run_benchmark(bench, prompts, configs, SamplingParams(), max_new_tokens=4, warmup=0, repeats=2)
     assert calls.count(("b", 1)) == 1 and calls.count(("a", 1)) == 2  # the failed one is not retried
     by = {(r.prompt_id, r.config): r for r in runs}
     p0, p1, p2 = (p.id for p in prompts)
@@ -442,3 +444,30 @@ def test_cli_bench_refuses_an_unwritable_json_out_before_measuring(tmp_path, cap
     assert main(["bench", "--json-out", str(tmp_path / "missing" / "r.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("verispec: error: --json-out ") and "no such directory" in err and err.count("\n") == 1
+
+
+def test_bench_configurations_are_pipelines_sharing_models(pair_dirs, monkeypatch):
+    """Each configuration is a pipeline built from specs (its own k, its own k policy), on one store: the
+    target and each draft setup load once however many configurations use them."""
+    target, draft = pair_dirs
+    loads = []
+    real = BACKENDS["hf"]
+    monkeypatch.setitem(BACKENDS, "hf", Backend(lambda r: loads.append((r.model, r.quant)) or real.load(r), True, True))
+    bench = _tiny_bench(pair_dirs)
+    configs = [Config("model k=2", "spec", 2), Config("model k=auto", "spec", "auto"),
+               Config("hybrid k=auto", "spec", "auto", "hybrid"), Config("ngram k=3", "spec", 3, "ngram"),
+               Config("model[hf-int8] k=auto", "spec", "auto", "model[hf-int8]"), Config("hf assisted", "hf")]
+    prompts = select(load_prompts(None), per_category=1)[:1]
+    runs = run_benchmark(bench, prompts, configs, SamplingParams(), max_new_tokens=6, warmup=0)
+    assert sorted(loads) == sorted([(target, "none"), (draft, "int4"), (draft, "int8")])
+    assert bench.hf_draft() is bench.hf_draft()  # HF assisted's plain draft (the pipelines' is int4): loaded once
+    pipes = {c.name: bench.pipeline(c) for c in configs}
+    assert pipes["model k=2"].draft_model is pipes["hybrid k=auto"].draft_model
+    assert pipes["model[hf-int8] k=auto"].draft_quant == "int8" and pipes["model k=2"].draft_quant == "int4"
+    policies = {id(pipes[name].generator.k_policy) for name in ("model k=auto", "hybrid k=auto", "model[hf-int8] k=auto")}
+    assert len(policies) == 3  # each adaptive configuration learns its own costs
+    assert pipes["ngram k=3"].draft_model is None and pipes["hf assisted"] is bench.baseline
+    assert all(r.identical for r in runs if r.config not in ("plain", "hf assisted"))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        run_benchmark(Bench(TargetSpec(target, device="cpu", dtype="fp32"), None), prompts,
+                      [Config("model k=2", "spec", 2)], SamplingParams(), max_new_tokens=4, warmup=0)

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from server_util import ServerProcess, metric
 from tiny import save_tiny_pair
 
@@ -272,15 +271,15 @@ def test_api_key_queue_limit_and_graceful_shutdown(pair_dirs):
 
 def _in_process_app(target_dir: str, tokenizer=None):
     """The app over a plain (no draft) pipeline of the tiny target, for tests that patch its parts."""
-    from tiny import byte_tokenizer, make_engine
+    from tiny import byte_tokenizer
     from transformers import AutoModelForCausalLM
 
-    from verispec.pipeline import Pipeline
+    import verispec
     from verispec.server.app import ServerSettings, create_app
 
-    engine = make_engine(AutoModelForCausalLM.from_pretrained(target_dir).float().eval())
-    pipeline = Pipeline(engine, tokenizer or byte_tokenizer(), target_dir, None, torch.device("cpu"), "none")
-    return engine, create_app(pipeline, ServerSettings(model_names=(MODEL,)))
+    model = AutoModelForCausalLM.from_pretrained(target_dir).float().eval()
+    pipeline = verispec.load(model, tokenizer=tokenizer or byte_tokenizer(), drafter=None)
+    return pipeline.generator, create_app(pipeline, ServerSettings(model_names=(MODEL,)))
 
 
 def _in_process_client(app):

@@ -1,9 +1,42 @@
-"""verispec: lossless speculative decoding for Hugging Face causal language models."""
+"""verispec: lossless speculative decoding for Hugging Face causal language models.
+
+    pipe = verispec.load()  # the default pair; or names, paths, GGUF files, loaded transformers models
+    print(pipe.generate("def fibonacci(n):", max_new_tokens=64).text)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from verispec.engine import GenerationResult, SpeculativeGenerator
 from verispec.metrics import SpecStats
 from verispec.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from verispec.build import DraftSpec, ModelStore, SpecError, TargetSpec, build, load
+    from verispec.chat import ChatBot
+    from verispec.models import ModelError
+    from verispec.pipeline import Completion, Pipeline, TextStream
+
 __version__ = "0.1.0"
 
-__all__ = ["GenerationResult", "SamplingParams", "SpecStats", "SpeculativeGenerator", "__version__"]
+# imported on first use: they bring in transformers, which the command line's light paths do without
+_LAZY = {
+    "DraftSpec": "verispec.build", "ModelStore": "verispec.build", "SpecError": "verispec.build",
+    "TargetSpec": "verispec.build", "build": "verispec.build", "load": "verispec.build", "ChatBot": "verispec.chat",
+    "ModelError": "verispec.models", "Completion": "verispec.pipeline", "Pipeline": "verispec.pipeline",
+    "TextStream": "verispec.pipeline",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'verispec' has no attribute {name!r}")
+
+
+__all__ = [
+    "ChatBot", "Completion", "DraftSpec", "GenerationResult", "ModelError", "ModelStore", "Pipeline", "SamplingParams",
+    "SpecError", "SpecStats", "SpeculativeGenerator", "TargetSpec", "TextStream", "__version__", "build", "load",
+]

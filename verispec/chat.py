@@ -13,13 +13,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from verispec.metrics import SpecStats
-from verispec.pipeline import Pipeline, build_pipeline
+from verispec.pipeline import Pipeline
 from verispec.sampling import SamplingParams
 from verispec.text import TextAssembler, encode_messages
 
 
 @dataclass
 class TurnStats:
+    """One turn's statistics: the engine's SpecStats, the reply's length, whether it was interrupted, and
+    plain decoding of the same prompt when it was measured (for the speedup)."""
+
     stats: SpecStats
     reply_tokens: int
     interrupted: bool = False
@@ -34,6 +37,7 @@ class TurnStats:
         return self.stats.tokens_per_second / (self.plain_tokens / self.plain_seconds)
 
     def line(self) -> str:
+        """The statistics as one line for people."""
         s = self.stats
         parts = [f"{s.new_tokens} tokens", f"{s.tokens_per_second:.1f} tok/s"]
         if s.drafted:
@@ -47,6 +51,11 @@ class TurnStats:
 
 @dataclass
 class ChatBot:
+    """A conversation over a pipeline: `generate_response(message)` or `stream_response(message)` for each
+    user turn; the history (and the system prompt, if any) is rendered with the chat template every turn.
+    `params`, `num_draft_tokens` (None: the pipeline's), `max_new_tokens` and `stop` apply to every turn;
+    `measure_plain` also times plain decoding of each reply, for the speedup."""
+
     pipeline: Pipeline
     system_prompt: str | None = None
     params: SamplingParams = SamplingParams()
@@ -58,18 +67,23 @@ class ChatBot:
     turns: list[TurnStats] = field(default_factory=list)
 
     @classmethod
-    def from_models(cls, target: str, draft: str | None, device: str = "auto", dtype: str = "bf16",
-                    num_draft_tokens: int = 4, **kwargs) -> "ChatBot":
-        return cls(build_pipeline(target, draft, device, dtype, num_draft_tokens), **kwargs)
+    def from_models(cls, target: str | None = None, draft: str | None = None, device: str = "auto",
+                    dtype: str = "bf16", num_draft_tokens: int | str = 4, **kwargs) -> "ChatBot":
+        """A ChatBot over verispec.load(target, draft) (None, None: the default pair)."""
+        from verispec.build import load
+
+        return cls(load(target, draft, device=device, dtype=dtype, k=num_draft_tokens), **kwargs)
 
     # -- conversation ----------------------------------------------------------------------------
 
     def messages(self, user_message: str | None = None) -> list[dict]:
+        """The conversation as chat messages: system prompt, history, and `user_message` when given."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         user = [{"role": "user", "content": user_message}] if user_message is not None else []
         return system + self.history + user
 
     def prompt_ids(self, user_message: str) -> list[int]:
+        """The token ids the next turn's prompt has when the user says `user_message`."""
         return encode_messages(self.pipeline.tokenizer, self.messages(user_message))
 
     def stream_response(self, user_message: str) -> Iterator[str]:
@@ -103,9 +117,11 @@ class ChatBot:
             self.turns.append(turn)
 
     def generate_response(self, user_message: str) -> str:
+        """The whole reply to `user_message` (the turn is added to the history)."""
         return "".join(self.stream_response(user_message))
 
     def reset(self) -> None:
+        """Forget the conversation and its statistics (the caches are reused by prefix as ever)."""
         self.history.clear()
         self.turns.clear()
 
@@ -113,9 +129,11 @@ class ChatBot:
 
     @property
     def last_turn(self) -> TurnStats | None:
+        """The last turn's statistics (None before the first turn)."""
         return self.turns[-1] if self.turns else None
 
     def total_stats(self) -> SpecStats:
+        """The statistics of every turn, merged."""
         total = SpecStats()
         for turn in self.turns:
             total.merge(turn.stats)

@@ -9,6 +9,7 @@ the traceback of an unexpected one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -61,6 +62,9 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--draft-backend", default="auto", choices=["auto", "hf", "llamacpp"],
                    help="draft backend; backends can be mixed (e.g. a llama.cpp draft for a transformers "
                         "target); auto: the target's")
+    p.add_argument("--ctx-size", type=int, default=None, metavar="N",
+                   help="llama.cpp context per model, in tokens (default: the model's trained context, capped so "
+                        "that its KV cache takes at most a quarter of the available memory)")
     if speculation_flags:
         p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
                        help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
@@ -155,18 +159,49 @@ def _sampling(args):
     )
 
 
-def _pipeline(args):
-    from verispec.pipeline import build_pipeline, default_refs
+_SPEC_FLAGS = {
+    "target.model": "--target", "target.backend": "--backend", "target.device": "--device", "target.dtype": "--dtype",
+    "target.ctx_size": "--ctx-size", "draft.model": "--draft", "draft.drafter": "--drafter",
+    "draft.backend": "--draft-backend", "draft.quant": "--draft-quant", "draft.vocab": "--draft-vocab",
+    "draft.forward": "--draft-forward", "draft.ctx_size": "--ctx-size", "draft": "--no-speculation",
+    "k": "--num-draft-tokens", "pull": "--pull",
+}
 
-    k = 0 if args.no_speculation else args.num_draft_tokens
-    if k is None:  # on llama.cpp a verify pass over k + 1 tokens costs ~1.5-3x one token: only auto is safe
-        k = "auto" if "llamacpp" in (args.backend, args.draft_backend) else 4
-    if k != "auto" and k < 0:
-        raise ValueError(f"--num-draft-tokens must be >= 0, got {k}")
-    target, draft = default_refs(args.target, args.draft, not args.no_speculation, args.pull, args.drafter)
-    drafter = args.drafter if not args.no_speculation else "model"
-    return build_pipeline(target, draft, args.device, args.dtype, k, drafter, args.draft_quant,
-                          args.backend, args.draft_backend, args.draft_vocab, args.draft_forward)
+
+@contextlib.contextmanager
+def _spec_errors():
+    """A refused spec as a ModelError naming the flag at fault and the flags that would be accepted."""
+    from verispec.build import SpecError
+
+    try:
+        yield
+    except SpecError as exc:
+        hint = f" [{_SPEC_FLAGS[exc.field]}]" if exc.field in _SPEC_FLAGS else ""
+        fixes = [_SPEC_FLAGS.get(f, f) + ("" if v is None or v is True else f" {v}") for f, v in exc.fixes]
+        if fixes:
+            hint += f" (or: {', '.join(fixes)})"
+        raise ModelError(f"{exc}{hint}") from None
+
+
+def _specs(args, drafter: str | None):
+    """(TargetSpec, DraftSpec or None) from the model options; `drafter` None: plain decoding."""
+    from verispec.build import DraftSpec, TargetSpec, default_refs
+
+    target, draft = default_refs(args.target, args.draft, drafter, args.pull)
+    target_spec = TargetSpec(target, args.backend, args.device, args.dtype, args.ctx_size)
+    if drafter is None:
+        return target_spec, None
+    return target_spec, DraftSpec(drafter, None if drafter == "ngram" else draft, args.draft_backend,
+                                  args.draft_quant, args.draft_vocab, args.draft_forward, args.ctx_size)
+
+
+def _pipeline(args):
+    from verispec.build import build
+
+    drafter = None if args.no_speculation else args.drafter
+    with _spec_errors():
+        target, draft = _specs(args, drafter)
+        return build(target, draft, 0 if args.no_speculation else args.num_draft_tokens)
 
 
 def _prompt_text(prompt: str) -> str:
@@ -356,9 +391,8 @@ def cmd_bench(args) -> int:
         TimeRemainingColumn,
     )
 
-    from verispec.bench.harness import Config, add_draft_variants, run_benchmark
+    from verispec.bench.harness import Bench, Config, parse_draft_variant, run_benchmark
     from verispec.bench.report import build_report, render_table, write_plots
-    from verispec.pipeline import build_pipeline, default_refs, parse_draft_variant
 
     params = _sampling(args)
     ks = _k_list(args.num_draft_tokens)
@@ -370,8 +404,9 @@ def cmd_bench(args) -> int:
         if d not in ("model", "ngram", "hybrid"):
             raise ValueError(f"unknown drafter '{d}' in --drafters (use model, ngram, hybrid)")
     variants = [v.strip() for v in (args.draft_variants or "").split(",") if v.strip()]
-    for v in variants:
-        parse_draft_variant(v)  # refuse a bad one before loading anything
+    with _spec_errors():
+        for v in variants:
+            parse_draft_variant(v)  # refuse a bad one before loading anything
     named = len(drafters) > 1 or bool(variants)
     configs = [Config(f"{d} k={k}" if named else f"verispec k={k}", "spec", k, d) for d in drafters for k in ks]
     configs += [Config(f"{d}[{v}] k={k}", "spec", k, f"{d}[{v}]")
@@ -385,10 +420,11 @@ def cmd_bench(args) -> int:
     if "llama-lookup" in args.compare:
         configs.append(Config("llama.cpp prompt lookup", "llama-lookup"))
     needs_draft = any(d != "ngram" for d in drafters) or "hf" in args.compare
-    target, draft = default_refs(args.target, args.draft, True, args.pull, "model" if needs_draft else "ngram")
-    pipe = build_pipeline(target, draft, args.device, args.dtype, ks[0], "model" if needs_draft else "ngram",
-                          args.draft_quant, args.backend, args.draft_backend, args.draft_vocab, args.draft_forward)
-    add_draft_variants(pipe, variants)
+    with _spec_errors():
+        target_spec, draft_spec = _specs(args, "model" if needs_draft else "ngram")
+        bench = Bench(target_spec, draft_spec)
+        pipe = bench.pipeline(Config("own", "spec", ks[0], "model" if needs_draft else "ngram"))  # for the header
+    target, draft = pipe.target_ref, draft_spec.label if draft_spec is not None else None
     console = _stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
@@ -409,8 +445,9 @@ def cmd_bench(args) -> int:
     with progress:
         task = progress.add_task("bench", total=total, last="warm-up")
         try:
-            run_benchmark(pipe, prompts, configs, params, args.max_new_tokens, warmup=args.warmup, on_run=on_run,
-                          repeats=args.repeats)
+            with _spec_errors():
+                run_benchmark(bench, prompts, configs, params, args.max_new_tokens, warmup=args.warmup,
+                              on_run=on_run, repeats=args.repeats)
         except KeyboardInterrupt:
             status = "interrupted"
         except Exception as exc:

@@ -17,7 +17,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError("--device cuda was asked for, but no CUDA device is available")
+        raise ModelError(f"device '{device}' was asked for, but no CUDA device is available")
     if device != "cpu" and not device.startswith("cuda"):
         raise ModelError(f"unknown device '{device}' (use auto, cpu or cuda)")
     return torch.device(device)

@@ -1,152 +1,226 @@
-"""Build a ready-to-use generator from model references: the one place front ends load models."""
+"""A built pipeline: the generator with its tokenizer and the specs it was built from, generating text.
+
+`Pipeline.generate` and `Pipeline.stream` take a prompt as text, chat messages or token ids, and sampling
+settings as keywords or a transformers GenerationConfig; they apply stop strings at the text level and
+feed a transformers streamer when given one. Pipelines are made by verispec.build (`build`, `load`).
+"""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verispec.backends import HFModel
-from verispec.backends.lean import LeanModel, lean_unsupported
-from verispec.engine import SpeculativeGenerator
-from verispec.loading import (
-    check_same_vocabulary,
-    configured_eos_ids,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
-    resolve_device,
-    resolve_dtype,
-    resolve_gguf,
-)
-from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
-from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
-from verispec.quant import QUANT_MODES, quantize_model
-from verispec.vocab import frequent_tokens, restrict_head
+from verispec.backends.base import Model
+from verispec.engine import Generation, SpeculativeGenerator
+from verispec.metrics import SpecStats
+from verispec.sampling import SamplingParams
+from verispec.text import TextAssembler, encode_messages
 
-DRAFTERS = ("model", "ngram", "hybrid")
-BACKENDS = ("hf", "llamacpp")
-DRAFT_FORWARDS = ("auto", "lean", "transformers")
-LLAMA_CONTEXT = 8192  # llama.cpp context (KV cells) per model
+if TYPE_CHECKING:
+    from verispec.build import DraftSpec, TargetSpec
+
+DEFAULT_MAX_NEW_TOKENS = 256
+# prompt: text, chat messages ({"role", "content"} dicts), token ids, or a [n] / [1, n] tensor of them
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int] | torch.Tensor
 
 
 @dataclass
-class Pipeline:
-    generator: SpeculativeGenerator
-    tokenizer: object
-    target_ref: str
-    draft_ref: str | None
-    device: torch.device
-    drafter: str
-    backend: str = "hf"
-    draft_backend: str | None = None
-    draft_quant: str = "none"
-    draft_forward: str = "none"  # a transformers draft's forward: lean or transformers
-    load_seconds: dict[str, float] = field(default_factory=dict)
-    extras: dict = field(default_factory=dict)  # objects a front end keeps with the models (bench references)
+class Completion:
+    """One generation's outcome: the text (cut before a stop string; special tokens skipped), the generated
+    token ids (an EOS that ended generation included), why it ended ("stop": EOS or a stop string;
+    "length": max_new_tokens or the context), and its speculation statistics."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: SpecStats = field(default_factory=SpecStats)
 
 
-def default_refs(target: str | None, draft: str | None, speculate: bool, pull_missing: bool = False,
-                 drafter: str = "model"):
-    """Fill in the default pair; say how to install it when it is missing."""
-    if drafter not in DRAFTERS:
-        raise ModelError(f"unknown drafter '{drafter}' (use {', '.join(DRAFTERS)})")
-    speculate_with_model = speculate and drafter != "ngram"
-    if target is None:
-        target = DEFAULT_TARGET
-        if draft is None and speculate_with_model:
-            draft = DEFAULT_DRAFT
-    if speculate_with_model and draft is None:
-        raise ModelError("no draft model: pass --draft (or --drafter ngram, or --no-speculation for plain decoding)")
-    speculate = speculate_with_model
-    for ref in (target, draft if speculate else None):
-        if ref in (DEFAULT_TARGET, DEFAULT_DRAFT) and installed(ref) is None:
-            if not pull_missing:
-                raise ModelError(f"the default model '{ref}' is not installed: run `verispec models pull` (or pass --pull)")
-            pull(ref)
-    return target, draft if speculate else None
+class TextStream:
+    """Iterate to get text pieces as rounds commit them; `result` holds the Completion so far (final once
+    iteration ended). Closing the stream early (a client went away) leaves the pipeline consistent.
+    A transformers streamer, when given, gets the prompt ids first (as transformers' generate does: a
+    streamer made with skip_prompt=True skips them), then each round's committed ids, and `end()` when
+    generation ends, also when it ends by an error or an early close."""
 
+    def __init__(self, generation: Generation, text: TextAssembler, prompt_ids: list[int], streamer=None) -> None:
+        self._generation, self._text, self._streamer = generation, text, streamer
+        self._prompt_ids = prompt_ids
+        self._pieces = self._run()
 
-def _check_backend(name: str) -> str:
-    if name not in BACKENDS:
-        raise ModelError(f"unknown backend '{name}' (use {', '.join(BACKENDS)})")
-    return name
-
-
-def choose_draft_quant(draft_quant: str, draft_backend: str, device: torch.device) -> str:
-    """auto: int4 for a transformers draft on the CPU, else none. Measured here (HumanEval, 6 prompts, one
-    run, k=auto): the 0.5B draft in int4 costs ~0.15 of a bf16 1.5B verify pass (~0.5 in bf16), gives
-    2.41x over plain decoding against 2.25x for the same draft's GGUF on llama.cpp, and prefills long
-    prompts several times faster than llama.cpp does here. GGUF drafts are quantised already; on CUDA
-    the packed CPU kernels do not apply."""
-    if draft_quant not in ("auto", *QUANT_MODES):
-        raise ModelError(f"unknown draft quantisation '{draft_quant}' (use auto, {', '.join(QUANT_MODES)})")
-    if draft_quant != "auto":
-        return draft_quant
-    return "int4" if draft_backend == "hf" and device.type == "cpu" else "none"
-
-
-def load_backend(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str = "none",
-                 head_ids: torch.Tensor | None = None, forward: str = "transformers"):
-    """(Model, EOS ids it knows of) for `ref` on `backend`; `head_ids`: score only these tokens (a reduced
-    draft vocabulary), `quant`: weight-only draft quantisation, `forward`: transformers' own forward or the
-    lean decode path (verispec.backends.lean; auto: lean where the architecture allows). The last three apply
-    to transformers drafts only."""
-    if forward not in DRAFT_FORWARDS:
-        raise ModelError(f"unknown draft forward '{forward}' (use {', '.join(DRAFT_FORWARDS)})")
-    if backend == "llamacpp":
-        from verispec.backends.llamacpp import LlamaCppModel
-
-        if quant != "none":
-            raise ModelError(f"--draft-quant {quant} applies to the transformers backend; a GGUF model is already "
-                             f"quantized")
-        if head_ids is not None:
-            raise ModelError("--draft-vocab applies to the transformers backend (llama.cpp always scores the "
-                             "whole vocabulary): add --draft-backend hf")
-        model = LlamaCppModel(resolve_gguf(ref), device, n_ctx=LLAMA_CONTEXT)
-        return model, [model.llm.token_eos(), *configured_eos_ids(ref)]
-    hf_model = load_model(ref, device, dtype)
-    eos = eos_token_ids(hf_model, None)
-    if head_ids is not None:
-        restrict_head(hf_model, head_ids)
-    if forward == "auto":
-        forward = "lean" if lean_unsupported(hf_model) is None else "transformers"
-    if forward == "lean":
+    def _run(self) -> Iterator[str]:
+        streamer, text = self._streamer, self._text
         try:
-            model = LeanModel(hf_model)  # fuses the layers it needs; hf_model's other modules are dropped
-        except ValueError as exc:
-            raise ModelError(str(exc)) from exc
-        quantize_model(model.net, quant)
-        return model, eos
-    return HFModel(quantize_model(hf_model, quant)), eos
+            if streamer is not None:
+                streamer.put(torch.tensor([self._prompt_ids]))  # [1, n], as transformers' generate puts it
+            for chunk in self._generation:
+                if streamer is not None:
+                    streamer.put(torch.tensor(chunk))  # [m] newly committed ids
+                piece = text.push(chunk)
+                if piece:
+                    yield piece
+            rest = text.finish()
+            if rest:
+                yield rest
+        finally:
+            self._generation.close()
+            text.finish()
+            if streamer is not None:
+                streamer.end()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop generating (the committed tokens stay in `result`)."""
+        self._pieces.close()
+
+    @property
+    def result(self) -> Completion:
+        res = self._generation.result
+        return Completion(self._text.text, list(res.token_ids), res.finish_reason, res.stats)
 
 
-def load_draft(ref: str, backend: str, device: torch.device, dtype: torch.dtype, quant: str, vocab: int,
-               tokenizer, target_vocab: int, forward: str = "auto") -> DraftModelProposer:
-    """A draft-model proposer for `ref` on `backend` (transformers: `quant`, `vocab` > 0 = reduced head,
-    `forward` lean or transformers)."""
-    head_ids = frequent_tokens(tokenizer, vocab, target_vocab) if vocab else None
-    model, _ = load_backend(ref, backend, device, dtype, quant, head_ids, forward)
-    return DraftModelProposer(model, target_vocab)
+def sampling_settings(generation_config=None, **explicit: Any) -> tuple[SamplingParams, int]:
+    """(SamplingParams, max_new_tokens) from a transformers GenerationConfig (do_sample, temperature, top_p,
+    top_k, min_p, repetition_penalty, max_new_tokens; do_sample false or unset: greedy) overlaid with the
+    keyword arguments that are not None, which win. Unset everywhere: greedy, DEFAULT_MAX_NEW_TOKENS."""
+    settings: dict[str, Any] = {}
+    max_new_tokens = explicit.pop("max_new_tokens", None)
+    config = generation_config
+    if config is not None:
+        if getattr(config, "do_sample", False):
+            settings["temperature"] = 1.0 if config.temperature is None else config.temperature
+            settings.update({name: getattr(config, name) for name in ("top_p", "top_k", "min_p")
+                             if getattr(config, name, None) is not None})
+        else:
+            settings["temperature"] = 0.0
+        if getattr(config, "repetition_penalty", None) is not None:
+            settings["repetition_penalty"] = config.repetition_penalty
+        if max_new_tokens is None:
+            max_new_tokens = getattr(config, "max_new_tokens", None)
+    settings.update({name: value for name, value in explicit.items() if value is not None})
+    return SamplingParams(**settings), DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
 
 
-def parse_draft_variant(text: str) -> tuple[str, str, int, str]:
-    """'llamacpp', 'hf', 'hf-int4', 'hf-int8-v32768', 'hf-v16384', 'hf-int4-transformers' ->
-    (backend, quant, vocab, forward)."""
-    parts = text.strip().split("-")
-    backend, quant, vocab, forward = parts[0], "none", 0, "auto"
-    rest = parts[1:]
-    if rest and rest[0] in QUANT_MODES:
-        quant = rest.pop(0)
-    if rest and rest[0].startswith("v") and rest[0][1:].isdigit():
-        vocab = int(rest.pop(0)[1:])
-    if rest and rest[0] in DRAFT_FORWARDS[1:]:
-        forward = rest.pop(0)
-    if backend not in BACKENDS or rest or (backend == "llamacpp" and (quant != "none" or vocab or forward != "auto")):
-        raise ModelError(f"unknown draft variant '{text}' (e.g. llamacpp, hf, hf-int4, hf-int4-v32768, "
-                         f"hf-int4-transformers)")
-    return backend, quant, vocab, forward
+@dataclass(frozen=True, eq=False)
+class Pipeline:
+    """A target, its drafter and k, ready to generate. `generator` is the engine (token ids in and out);
+    `target` and `draft` are the resolved specs it was built from (`draft` None: plain decoding);
+    `draft_model` the draft LM, if any; `draft_forward` how a transformers draft runs (lean, transformers;
+    none otherwise); `load_seconds` what loading took, per part."""
+
+    generator: SpeculativeGenerator
+    tokenizer: Any
+    target: TargetSpec
+    draft: DraftSpec | None
+    device: torch.device
+    draft_model: Model | None = None
+    draft_forward: str = "none"
+    load_seconds: Mapping[str, float] = field(default_factory=dict)
+
+    # -- what was built ---------------------------------------------------------------------------
+
+    @property
+    def target_ref(self) -> str:
+        """The target's reference, as text."""
+        return self.target.label
+
+    @property
+    def draft_ref(self) -> str | None:
+        """The draft model's reference, as text (None: no draft model)."""
+        return None if self.draft is None else self.draft.label
+
+    @property
+    def drafter(self) -> str:
+        """The drafter's name, or 'none' (plain decoding)."""
+        return "none" if self.draft is None else self.draft.drafter
+
+    @property
+    def backend(self) -> str:
+        """The target's backend."""
+        return self.target.backend
+
+    @property
+    def draft_backend(self) -> str | None:
+        """The draft model's backend (None: no draft model)."""
+        return None if self.draft_model is None else self.draft.backend
+
+    @property
+    def draft_quant(self) -> str:
+        """The draft model's weight quantisation ('none' also when there is no draft model)."""
+        return "none" if self.draft_model is None else self.draft.quant
+
+    @property
+    def context_length(self) -> int:
+        """Tokens the pair can hold: the target's context, or the draft model's when that is shorter."""
+        n_ctx = self.generator.target.max_length
+        return n_ctx if self.draft_model is None else min(n_ctx, self.draft_model.max_length)
+
+    # -- generating -------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids for a prompt: text is tokenised as is, chat messages through the tokenizer's chat
+        template (with the assistant's turn opened), token ids are taken as they are."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() == 2 and prompt.shape[0] == 1:
+                prompt = prompt[0]
+            if prompt.dim() != 1:
+                raise ValueError(f"one prompt at a time: expected token ids of shape [n] or [1, n], got "
+                                 f"{list(prompt.shape)}")
+            return [int(t) for t in prompt.tolist()]
+        items = list(prompt)
+        if items and all(isinstance(m, Mapping) for m in items):
+            return encode_messages(self.tokenizer, items)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return items
+        raise TypeError("a prompt is text, a list of chat messages ({'role', 'content'} dicts) or token ids")
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] | str = (),
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        k: int | str | None = None,
+        generation_config=None,
+        streamer=None,
+    ) -> TextStream:
+        """Generate, yielding text pieces as they are committed (see TextStream). Sampling: keywords win
+        over `generation_config` (a transformers GenerationConfig), which wins over greedy decoding and
+        max_new_tokens DEFAULT_MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before
+        them). `k`: this generation's draft tokens per round (None: the pipeline's). `streamer`: a
+        transformers TextStreamer / TextIteratorStreamer (or anything with put(ids tensor) and end())."""
+        params, max_new = sampling_settings(generation_config, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            top_p=top_p, top_k=top_k, min_p=min_p,
+                                            repetition_penalty=repetition_penalty, seed=seed)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        prompt_ids = self.encode(prompt)
+        text = TextAssembler(self.tokenizer, stops)
+        generation = self.generator.stream(prompt_ids, params, max_new_tokens=max_new, num_draft_tokens=k,
+                                           stop=text.stop_index if stops else None)
+        return TextStream(generation, text, prompt_ids, streamer)
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> Completion:
+        """Generate to the end and return the Completion; takes the same arguments as `stream`."""
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
 
 
 def build_pipeline(
@@ -161,52 +235,21 @@ def build_pipeline(
     draft_backend: str | None = "auto",
     draft_vocab: int = 0,
     draft_forward: str = "auto",
+    ctx_size: int | None = None,
 ) -> Pipeline:
-    """`drafter`: model (the draft LM), ngram (prompt lookup, no draft model), hybrid (n-gram when it has a
-    confident match, the draft LM otherwise). `backend` / `draft_backend`: hf (transformers) or llamacpp
-    (GGUF on llama.cpp), mixed as wanted; draft_backend None or "auto" = the target's. `draft_quant`:
-    none, int8, int4 or auto (see choose_draft_quant). `draft_vocab` N > 0: the draft scores only ~N
-    frequent tokens (verispec.vocab). `draft_forward`: a transformers draft runs on verispec's lean decode
-    path (auto: where the architecture allows) or on transformers' own forward."""
-    if drafter not in DRAFTERS:
-        raise ModelError(f"unknown drafter '{drafter}' (use {', '.join(DRAFTERS)})")
-    backend = _check_backend(backend)
-    if drafter == "ngram":
-        draft = None
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
-    if draft_vocab < 0:
-        raise ModelError(f"--draft-vocab must be >= 0 (0 = the whole vocabulary), got {draft_vocab}")
-    # auto follows the target: a transformers target drafts with a transformers draft, int4 on the CPU
-    # (measured faster than the same draft on llama.cpp, see choose_draft_quant)
-    draft_backend = backend if draft_backend in (None, "auto") else _check_backend(draft_backend)
-    draft_quant = choose_draft_quant(draft_quant, draft_backend, dev)
-    if "llamacpp" in (backend, draft_backend if draft is not None else backend):
-        from verispec.backends.llamacpp import import_llama_cpp
+    """verispec.build.build with its specs given as flat arguments (references only; draft None with the
+    'model' or 'hybrid' drafter: plain decoding)."""
+    from verispec.build import DraftSpec, TargetSpec, build
 
-        import_llama_cpp()  # say how to install it before loading anything
-    times: dict[str, float] = {}
-    t0 = time.perf_counter()
-    tokenizer = load_tokenizer(target)
-    if draft is not None:  # refuse an incompatible pair before loading any weights
-        check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
-    times["tokenizers"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    target_model, eos = load_backend(target, backend, dev, dt)
-    times["target"] = time.perf_counter() - t0
-    proposer = None
+    spec = TargetSpec(target, backend, device, dtype, ctx_size)
     if drafter == "ngram":
-        proposer = NgramProposer()
-    elif draft is not None:
-        t0 = time.perf_counter()
-        model_proposer = load_draft(draft, draft_backend, dev, dt, draft_quant, draft_vocab, tokenizer,
-                                    target_model.vocab_size, draft_forward)
-        times["draft"] = time.perf_counter() - t0
-        proposer = HybridProposer(NgramProposer(), model_proposer) if drafter == "hybrid" else model_proposer
-    eos = sorted({*eos, *eos_token_ids(None, tokenizer)})
-    engine = SpeculativeGenerator(target_model, proposer, eos, num_draft_tokens)
-    has_draft = draft is not None
-    forward = "none"
-    if has_draft and draft_backend == "hf":
-        forward = "lean" if isinstance(model_proposer.model, LeanModel) else "transformers"
-    return Pipeline(engine, tokenizer, target, draft, dev, drafter if proposer is not None else "none", backend,
-                    draft_backend if has_draft else None, draft_quant if has_draft else "none", forward, times)
+        draft_spec = DraftSpec("ngram")
+    elif draft is None:
+        draft_spec = None
+    else:
+        draft_spec = DraftSpec(drafter, draft, draft_backend or "auto", draft_quant, draft_vocab, draft_forward,
+                               ctx_size)
+    return build(spec, draft_spec, num_draft_tokens)
+
+
+__all__ = ["Completion", "Pipeline", "Prompt", "TextStream", "build_pipeline", "sampling_settings"]

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from verispec.models import ModelError
 
+KV_MEMORY_SHARE = 0.25  # the most of the available memory one model's KV cache may take
+CONTEXT_STEP = 256  # a context chosen from memory is a multiple of this (and at least this)
+KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV cache type is f16
 INSTALL_HINT = "the llama.cpp backend needs llama-cpp-python: pip install -e '.[llamacpp]' (it builds llama.cpp, ~6 min)"
 
 
@@ -53,14 +58,111 @@ def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch:
         raise ModelError(f"llama.cpp cannot load '{path}': {exc}") from exc
 
 
-class LlamaCppModel:
-    """The Model protocol over a llama.cpp context. `device` is where logits are returned."""
+# -- the context size ---------------------------------------------------------------------------------
 
-    def __init__(self, path: str, device: torch.device = torch.device("cpu"), n_ctx: int = 8192,
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _value(buf, at: int, kind: int, keep: bool) -> tuple[object, int]:
+    """(the GGUF value of type `kind` at offset `at`, the offset after it); strings and arrays not kept
+    are skipped over (None)."""
+    if kind in _SCALARS:
+        fmt = _SCALARS[kind]
+        return struct.unpack_from(fmt, buf, at)[0], at + struct.calcsize(fmt)
+    if kind == _STRING:
+        n = struct.unpack_from("<Q", buf, at)[0]
+        return (bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace") if keep else None), at + 8 + n
+    if kind == _ARRAY:
+        item, count = struct.unpack_from("<IQ", buf, at)
+        at += 12
+        if item in _SCALARS and not keep:
+            return None, at + count * struct.calcsize(_SCALARS[item])
+        values = []
+        for _ in range(count):
+            value, at = _value(buf, at, item, keep)
+            values.append(value)
+        return (values if keep else None), at
+    raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def gguf_metadata(path: str) -> dict[str, object]:
+    """The GGUF header's key-value metadata, less the tokenizer's (long arrays, skipped unread)."""
+    import mmap
+
+    meta: dict[str, object] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ModelError(f"'{path}' is not a GGUF file")
+        version, _, count = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ModelError(f"'{path}' is a GGUF version {version} file; version 2 or later is needed")
+        at = 24
+        for _ in range(count):
+            key, at = _value(buf, at, _STRING, keep=True)
+            kind = struct.unpack_from("<I", buf, at)[0]
+            value, at = _value(buf, at + 4, kind, keep=not key.startswith("tokenizer."))
+            if value is not None:
+                meta[key] = value
+    return meta
+
+
+def kv_bytes_per_token(meta: Mapping[str, object]) -> int:
+    """Bytes of KV cache per token: over the layers, KV heads x (key + value head size) x 2 bytes (f16), from
+    the GGUF metadata (head sizes default to embedding_length / head_count; per-layer head counts are summed)."""
+    arch = meta["general.architecture"]
+
+    def per_layer(value) -> list[int]:  # a count for every layer, or one for all of them
+        return [int(v) for v in value] if isinstance(value, list) else [int(value)] * int(meta[f"{arch}.block_count"])
+
+    heads = per_layer(meta[f"{arch}.attention.head_count"])
+    kv_heads = per_layer(meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"]))
+    head_dim = int(meta[f"{arch}.embedding_length"]) // max(heads)
+    key = int(meta.get(f"{arch}.attention.key_length", head_dim))
+    value = int(meta.get(f"{arch}.attention.value_length", head_dim))
+    return sum(kv_heads) * (key + value) * KV_BYTES_PER_VALUE
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux: MemAvailable), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def context_size(meta: Mapping[str, object], available: int | None, requested: int | None = None) -> int:
+    """llama.cpp's n_ctx for a model: `requested` when given; else the model's trained context (its GGUF
+    `context_length`), lowered when its KV cache would take more than KV_MEMORY_SHARE of the `available`
+    memory (bytes; None: unknown, no bound), to a multiple of CONTEXT_STEP tokens and never below one step.
+    The share leaves room for the weights, a second model and the rest of the process."""
+    if requested is not None:
+        return requested
+    trained = int(meta[f"{meta['general.architecture']}.context_length"])
+    if available is None:
+        return trained
+    fits = int(available * KV_MEMORY_SHARE) // kv_bytes_per_token(meta)
+    return max(CONTEXT_STEP, min(trained, fits // CONTEXT_STEP * CONTEXT_STEP))
+
+
+class LlamaCppModel:
+    """The Model protocol over a llama.cpp context. `device` is where logits are returned; `n_ctx` the
+    context in tokens (None: context_size's rule, from the file's metadata and the available memory)."""
+
+    def __init__(self, path: str, device: torch.device = torch.device("cpu"), n_ctx: int | None = None,
                  n_threads: int | None = None, n_batch: int = 512) -> None:
         self.path = path
         llama_cpp = import_llama_cpp()
         self._lib = llama_cpp
+        if n_ctx is None:
+            n_ctx = context_size(gguf_metadata(path), available_memory())
         self.llm = open_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, gpu=device.type == "cuda")
         self.device = device
         self.vocab_size = int(self.llm.n_vocab())

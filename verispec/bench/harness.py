@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from verispec.adaptive import CostAwareK
 from verispec.backends import HFModel
 from verispec.bench.loader import Prompt
+from verispec.build import BACKENDS, DRAFT_FORWARDS, DraftSpec, ModelStore, SpecError, TargetSpec, build, resolve
 from verispec.pipeline import Pipeline
-from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from verispec.quant import QUANT_MODES
 from verispec.sampling import SamplingParams
 from verispec.text import encode_prompt
-from verispec.vocab import SubsetHead
 
 KINDS = ("plain", "spec", "hf", "hf-lookup", "llama", "llama-lookup")
 LOOKUP_CONTEXT = 4096  # llama-cpp-python's prompt lookup keeps n_ctx x V float32 scores: keep n_ctx modest
@@ -24,45 +23,119 @@ LOOKUP_CONTEXT = 4096  # llama-cpp-python's prompt lookup keeps n_ctx x V float3
 
 @dataclass(frozen=True)
 class Config:
+    """One benchmarked configuration: its name in the report, its kind, and for verispec its k and drafter."""
+
     name: str
     # plain (the baseline), spec (verispec), hf (HF assisted generation), hf-lookup (HF prompt lookup),
     # llama (llama-cpp-python's own decoding of the target's GGUF), llama-lookup (its prompt lookup decoding)
     kind: str
     k: int | str = 0  # or "auto"
-    drafter: str = "model"  # for spec: model, ngram or hybrid
+    drafter: str = "model"  # for spec: model, ngram or hybrid; model[VARIANT] / hybrid[VARIANT]: another draft setup
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown configuration kind {self.kind!r}")
 
 
-def proposers_for(pipe: Pipeline) -> dict:
-    """One proposer per drafter kind, sharing the pipeline's draft model (when it has one)."""
-    base = pipe.generator.proposer
-    model = base.model if isinstance(base, HybridProposer) else base if isinstance(base, DraftModelProposer) else None
-    found = {"ngram": NgramProposer()}
-    if model is not None:
-        found.update(model=model, hybrid=HybridProposer(NgramProposer(), model))
-    for name, variant in pipe.extras.get("draft-variants", {}).items():  # other draft setups, same run
-        found[f"model[{name}]"] = variant
-        found[f"hybrid[{name}]"] = HybridProposer(NgramProposer(), variant)
-    return found
+def parse_draft_variant(text: str) -> tuple[str, str, int, str]:
+    """'llamacpp', 'hf', 'hf-int4', 'hf-int8-v32768', 'hf-v16384', 'hf-int4-transformers' ->
+    (backend, quant, vocab, forward)."""
+    parts = text.strip().split("-")
+    backend, quant, vocab, forward = parts[0], "none", 0, "auto"
+    rest = parts[1:]
+    if rest and rest[0] in QUANT_MODES:
+        quant = rest.pop(0)
+    if rest and rest[0].startswith("v") and rest[0][1:].isdigit():
+        vocab = int(rest.pop(0)[1:])
+    if rest and rest[0] in DRAFT_FORWARDS[1:]:
+        forward = rest.pop(0)
+    if backend not in BACKENDS or rest or (backend == "llamacpp" and (quant != "none" or vocab or forward != "auto")):
+        raise SpecError(f"unknown draft variant '{text}' (e.g. llamacpp, hf, hf-int4, hf-int4-v32768, "
+                        f"hf-int4-transformers)", "draft")
+    return backend, quant, vocab, forward
 
 
-def add_draft_variants(pipe: Pipeline, variants: list[str]) -> None:
-    """Load extra draft setups (e.g. 'llamacpp', 'hf-int4-v32768') beside the pipeline's own, so that one
-    benchmark run compares them; configurations name them as drafter 'model[variant]' / 'hybrid[variant]'."""
-    from verispec.pipeline import load_draft, parse_draft_variant
+class Bench:
+    """What one benchmark run compares, built from specs: a pipeline per configuration (each with its own
+    k and its own k policy), all on one ModelStore so that each model loads once, and the objects of the
+    reference implementations (Hugging Face's assisted generation, llama-cpp-python). Pipelines share the
+    store's models, hence their KV caches: every run resets its pipeline first (see ModelStore)."""
 
-    if variants and pipe.draft_ref is None:
-        raise ValueError("--draft-variants needs a draft model")
-    target = pipe.generator.target
-    dtype = next(target.model.parameters()).dtype if isinstance(target, HFModel) else torch.bfloat16
-    found = pipe.extras.setdefault("draft-variants", {})
-    for text in variants:
-        backend, quant, vocab, forward = parse_draft_variant(text)
-        found[text] = load_draft(pipe.draft_ref, backend, pipe.device, dtype, quant, vocab, pipe.tokenizer,
-                                 target.vocab_size, forward)
+    def __init__(self, target: TargetSpec, draft: DraftSpec | None, store: ModelStore | None = None) -> None:
+        self.target, self.draft = target, draft
+        self.store = store if store is not None else ModelStore()
+        self._pipelines: dict[tuple, Pipeline] = {}
+        self._references: dict[str, object] = {}
+
+    def draft_spec(self, config: Config) -> DraftSpec | None:
+        """The draft spec of a configuration: none for plain decoding and the references, n-gram lookup, or
+        the bench's draft spec with the configuration's drafter and draft variant ('model[hf-int4]': the
+        variant's backend, quantisation, vocabulary and forward)."""
+        if config.kind != "spec":
+            return None
+        drafter, _, variant = config.drafter.rstrip("]").partition("[")
+        if drafter == "ngram":
+            return DraftSpec("ngram")
+        if self.draft is None or self.draft.model is None:
+            raise ValueError(f"configuration '{config.name}' needs a draft model")
+        spec = replace(self.draft, drafter=drafter)
+        if variant:
+            backend, quant, vocab, forward = parse_draft_variant(variant)
+            spec = replace(spec, backend=backend, quant=quant, vocab=vocab, forward=forward)
+        return spec
+
+    def pipeline(self, config: Config) -> Pipeline:
+        """The configuration's pipeline (the baseline's for every kind but spec), built on first use."""
+        draft = self.draft_spec(config)
+        k = config.k if config.kind == "spec" else 0
+        key = (draft, k, config.name if k == "auto" else None)  # an adaptive k learns per configuration
+        if key not in self._pipelines:
+            self._pipelines[key] = build(self.target, draft, k, store=self.store)
+        return self._pipelines[key]
+
+    @property
+    def baseline(self) -> Pipeline:
+        """Plain decoding of the target."""
+        return self.pipeline(Config("plain", "plain"))
+
+    def resolved_draft(self) -> DraftSpec | None:
+        """The bench's own draft spec with its 'auto' choices made (backend, quantisation)."""
+        if self.draft is None or self.draft.model is None:
+            return None
+        return resolve(self.target, self.draft)[1]
+
+    def hf_draft(self):
+        """The transformers draft HF assisted generation gets: the bench's own draft model when it is the
+        plain transformers model, else (a llama.cpp, quantised, reduced-head or lean draft) the same model
+        loaded plainly, in the target's dtype: HF is measured with its library defaults."""
+        draft = self.resolved_draft()
+        if draft is None:
+            raise ValueError("Hugging Face assisted generation needs a draft model")
+        if draft.backend == "hf" and draft.quant == "none" and not draft.vocab:
+            model = self.pipeline(Config("hf draft", "spec", 1, "model")).draft_model
+            if isinstance(model, HFModel):
+                return model.model
+        target = self.baseline.generator.target
+        return self.store.transformers_model(draft.model, self.baseline.device, next(target.model.parameters()).dtype)
+
+    def llama(self, lookup: bool):
+        """llama-cpp-python's own Llama on the target's GGUF: the target's when it runs on llama.cpp (plain
+        decoding), else one opened for the benchmark."""
+        from verispec.backends.llamacpp import LlamaCppModel, import_llama_cpp, open_llama
+        from verispec.loading import resolve_gguf
+
+        target = self.baseline.generator.target
+        if not lookup and isinstance(target, LlamaCppModel):
+            return target.llm
+        key = "llama-lookup" if lookup else "llama"
+        if key not in self._references:
+            path = target.path if isinstance(target, LlamaCppModel) else resolve_gguf(self.baseline.target_ref)
+            if lookup:  # its CPU advice: 2 predicted tokens ("10 ... good for gpu, 2 performs better for cpu-only")
+                draft = import_llama_cpp().llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=2)
+                self._references[key] = open_llama(path, n_ctx=LOOKUP_CONTEXT, logits_all=True, draft_model=draft)
+            else:
+                self._references[key] = open_llama(path, n_ctx=LOOKUP_CONTEXT)
+        return self._references[key]
 
 
 @dataclass
@@ -136,21 +209,6 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
     )
 
 
-def _hf_draft(pipe: Pipeline, draft):
-    """The transformers draft HF assisted generation gets: the pipeline's own when it is the plain model,
-    else (a llama.cpp, quantised or reduced-head draft) the same model loaded plainly for the benchmark,
-    in the target's dtype: HF is measured with its library defaults."""
-    if isinstance(draft, HFModel) and pipe.draft_quant == "none" and not isinstance(
-            draft.model.get_output_embeddings(), SubsetHead):
-        return draft.model
-    if "hf-draft" not in pipe.extras:
-        from verispec.loading import load_model
-
-        dtype = next(pipe.generator.target.model.parameters()).dtype
-        pipe.extras["hf-draft"] = load_model(pipe.draft_ref, pipe.device, dtype)
-    return pipe.extras["hf-draft"]
-
-
 def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, draft_model) -> dict:
     """Hugging Face's own assisted generation on the same models (library defaults for the draft), or its
     prompt lookup decoding when `draft_model` is None."""
@@ -177,28 +235,9 @@ def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new)
 
 
-def _llama_for(pipe: Pipeline, lookup: bool):
-    """llama-cpp-python's own Llama on the target's GGUF: the target's when it runs on llama.cpp (plain
-    decoding), else one opened for the benchmark (kept in pipe.extras)."""
-    from verispec.backends.llamacpp import LlamaCppModel, import_llama_cpp, open_llama
-    from verispec.loading import resolve_gguf
-
-    target = pipe.generator.target
-    if not lookup and isinstance(target, LlamaCppModel):
-        return target.llm
-    key = "llama-lookup" if lookup else "llama"
-    if key not in pipe.extras:
-        path = target.path if isinstance(target, LlamaCppModel) else resolve_gguf(pipe.target_ref)
-        if lookup:  # its CPU advice: 2 predicted tokens ("10 ... good for gpu, 2 performs better for cpu-only")
-            draft = import_llama_cpp().llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=2)
-            pipe.extras[key] = open_llama(path, n_ctx=LOOKUP_CONTEXT, logits_all=True, draft_model=draft)
-        else:
-            pipe.extras[key] = open_llama(path, n_ctx=LOOKUP_CONTEXT)
-    return pipe.extras[key]
-
-
-def _run_llama(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, lookup: bool) -> dict:
-    llm = _llama_for(pipe, lookup)
+def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: int, lookup: bool) -> dict:
+    pipe = bench.baseline
+    llm = bench.llama(lookup)
     if len(ids) + max_new > llm.n_ctx():
         raise ValueError(f"a prompt of {len(ids)} tokens + {max_new} new does not fit llama.cpp's n_ctx {llm.n_ctx()}")
     if params.greedy:
@@ -240,7 +279,7 @@ def balanced_orders(n: int) -> list[list[int]]:
 
 
 def run_benchmark(
-    pipe: Pipeline,
+    bench: Bench,
     prompts: list[Prompt],
     configs: list[Config],
     params: SamplingParams,
@@ -252,31 +291,28 @@ def run_benchmark(
     """Returns one Run per (prompt, configuration), the baseline's included (config 'plain'). With repeats > 1
     every prompt runs that many times per configuration (one block each, the orders balanced) and a Run pools them:
     summed tokens, seconds and counters, so its speedup is total tokens/s over the baseline's total tokens/s
-    on that prompt, which averages out a noisy machine's swings that a single run cannot."""
+    on that prompt, which averages out a noisy machine's swings that a single run cannot. Every
+    configuration's pipeline is built (its models loaded) before the first run."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     plain = Config("plain", "plain")
     order = [plain] + [c for c in configs if c.kind != "plain"]
-    proposers = proposers_for(pipe)
     for c in order:
-        if (c.kind == "spec" and c.drafter not in proposers) or (c.kind == "hf" and "model" not in proposers):
+        if c.kind == "hf" and bench.resolved_draft() is None:
             raise ValueError(f"configuration '{c.name}' needs a draft model")
-        if c.kind in ("hf", "hf-lookup") and not isinstance(pipe.generator.target, HFModel):
+        bench.pipeline(c)
+        if c.kind in ("hf", "hf-lookup") and not isinstance(bench.baseline.generator.target, HFModel):
             raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs a transformers "
-                             f"target (--backend hf)")
-    original = pipe.generator.proposer, pipe.generator.k_policy
-    encoded = [encode_prompt(pipe.tokenizer, p.text, p.chat) for p in prompts]
+                             f"target (the 'hf' backend)")
+    encoded = [encode_prompt(bench.baseline.tokenizer, p.text, p.chat) for p in prompts]
     if encoded and warmup:
         for config in order:  # warm-up: allocator, kernels, caches; results discarded
             for _ in range(warmup):
-                _one(pipe, proposers, config, encoded[0], params, min(8, max_new_tokens))
-    try:
-        return _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run, repeats)
-    finally:
-        pipe.generator.proposer, pipe.generator.k_policy = original
+                _one(bench, config, encoded[0], params, min(8, max_new_tokens))
+    return _interleaved(bench, prompts, encoded, order, params, max_new_tokens, on_run, repeats)
 
 
-def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_tokens, on_run, repeats) -> list[Run]:
+def _interleaved(bench, prompts, encoded, order, params, max_new_tokens, on_run, repeats) -> list[Run]:
     """The measured runs, prompt after prompt. A configuration that fails on a prompt (e.g. the prompt does not
     fit its context) becomes a failed Run for that prompt, skipped in the prompt's later repeats; the others
     go on. `on_run` sees each prompt's Runs as soon as the prompt is done, so a caller keeps them when a
@@ -292,7 +328,7 @@ def _interleaved(pipe, prompts, encoded, order, proposers, params, max_new_token
                 if config.name in failed:
                     continue
                 try:
-                    measured = _one(pipe, proposers, config, ids, params, max_new_tokens)
+                    measured = _one(bench, config, ids, params, max_new_tokens)
                 except Exception as exc:  # this run's failure; KeyboardInterrupt (not an Exception) ends the benchmark
                     failed[config.name] = _one_line(exc)
                     continue
@@ -364,15 +400,11 @@ def _pooled(repeats: list[Run], base: Run | None) -> Run:
     return pooled
 
 
-def _one(pipe: Pipeline, proposers: dict, config: Config, ids: list[int], params: SamplingParams, max_new: int) -> dict:
+def _one(bench: Bench, config: Config, ids: list[int], params: SamplingParams, max_new: int) -> dict:
     if config.kind == "hf":
-        return _run_hf(pipe, ids, params, max_new, _hf_draft(pipe, proposers["model"].model))
+        return _run_hf(bench.baseline, ids, params, max_new, bench.hf_draft())
     if config.kind == "hf-lookup":
-        return _run_hf(pipe, ids, params, max_new, None)
+        return _run_hf(bench.baseline, ids, params, max_new, None)
     if config.kind in ("llama", "llama-lookup"):
-        return _run_llama(pipe, ids, params, max_new, config.kind == "llama-lookup")
-    pipe.generator.proposer = proposers.get(config.drafter) if config.kind == "spec" else None
-    if config.k == "auto":  # each configuration learns its own costs and acceptance across its prompts
-        policies = pipe.extras.setdefault("k-policies", {})
-        pipe.generator.k_policy = policies.setdefault(config.name, CostAwareK(k_max=pipe.generator.k_policy.k_max))
-    return _run_engine(pipe, ids, params, max_new, config.k if config.kind == "spec" else 0)
+        return _run_llama(bench, ids, params, max_new, config.kind == "llama-lookup")
+    return _run_engine(bench.pipeline(config), ids, params, max_new, config.k if config.kind == "spec" else 0)

@@ -80,9 +80,7 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[
 
 def context_length(pipeline: Pipeline) -> int:
     """Tokens the pair can hold: the target's context, or the draft model's when that is shorter."""
-    n_ctx = pipeline.generator.target.max_length
-    draft = getattr(pipeline.generator.proposer, "model", None)
-    return min(n_ctx, getattr(draft, "max_length", n_ctx))
+    return pipeline.context_length
 
 
 def parse_body(raw: bytes, model_cls):
@@ -113,7 +111,7 @@ def parse_body(raw: bytes, model_cls):
 def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     metrics = Metrics()
     worker = Worker(pipeline, settings.max_queue, metrics)
-    speculative = pipeline.generator.proposer is not None
+    speculative = pipeline.draft is not None
     n_ctx = context_length(pipeline)
     vocab_size = pipeline.generator.target.vocab_size
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verispec-tokenize")

@@ -1,0 +1,520 @@
+"""Build a pipeline from specifications: the one place front ends load models.
+
+A pipeline is a target model, an optional drafter and k (draft tokens per round). `TargetSpec` and
+`DraftSpec` say what to load and how; they are frozen and check each field once, when made. Every rule
+about how fields combine lives in `check_specs`. Each axis has one registry at this edge: `BACKENDS`
+(backend name -> loader) and `DRAFTERS` (drafter name -> proposer factory). `resolve` turns the specs'
+"auto" choices into concrete ones (backend, draft quantisation, device), `ModelStore` loads each model
+once however many pipelines use it, and `build` puts one pipeline together. `load` is the public entry
+point over all of it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from verispec.backends import HFModel
+from verispec.backends.base import Model
+from verispec.backends.lean import LeanModel, lean_unsupported
+from verispec.engine import SpeculativeGenerator
+from verispec.loading import (
+    DTYPES,
+    check_same_vocabulary,
+    configured_eos_ids,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_gguf,
+)
+from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
+from verispec.pipeline import Pipeline
+from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from verispec.proposers.base import Proposer
+from verispec.quant import QUANT_MODES, quantize_model
+from verispec.vocab import frequent_tokens, restrict_head
+
+DRAFT_FORWARDS = ("auto", "lean", "transformers")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class SpecError(ModelError):
+    """A specification refused. `field` names the spec field at fault ('draft.vocab', 'target.device', 'k');
+    `fixes` lists (field, value) settings that would be accepted instead (value None: leave the field out),
+    so that a front end can name its own options for them."""
+
+    def __init__(self, message: str, field: str, fixes: tuple[tuple[str, Any], ...] = ()) -> None:
+        super().__init__(message)
+        self.field, self.fixes = field, fixes
+
+
+def is_loaded(model: object) -> bool:
+    """Whether a spec's model is an already-loaded transformers model (else a reference: name, path, GGUF file)."""
+    return isinstance(model, torch.nn.Module)
+
+
+def _check_reference(model: object, field_name: str, optional: bool) -> object:
+    if model is None and optional:
+        return None
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    if isinstance(model, str) and model or is_loaded(model):
+        return model
+    raise SpecError(f"a model is a known name, a directory, a GGUF file, a hub id or a loaded transformers model, "
+                    f"got {model!r}", field_name)
+
+
+def _check_device(device: str, field_name: str) -> None:
+    base, _, index = device.partition(":")
+    if base not in DEVICES or (index and (base != "cuda" or not index.isdigit())):
+        raise SpecError(f"unknown device '{device}' (use auto, cpu or cuda)", field_name)
+
+
+def _check_ctx_size(ctx_size: int | None, field_name: str) -> None:
+    if ctx_size is not None and (isinstance(ctx_size, bool) or not isinstance(ctx_size, int) or ctx_size < 1):
+        raise SpecError(f"the context size must be a positive number of tokens, got {ctx_size!r}", field_name)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """The model whose distribution is sampled.
+
+    `model`: a known name, a Hugging Face directory, a .gguf file, a hub id, or a loaded transformers model
+    (then `tokenizer` is required, and the model runs where it is, in its own dtype). `backend`: a name in
+    BACKENDS. `device`: auto (CUDA when available), cpu, cuda or cuda:N. `dtype`: bf16, fp16 or fp32 for a
+    model verispec loads (None: bf16). `ctx_size`: llama.cpp's context in tokens (None: the model's trained
+    context, bounded by memory, see verispec.backends.llamacpp.context_size); transformers models ignore it.
+    """
+
+    model: Any
+    backend: str = "hf"
+    device: str = "auto"
+    dtype: str | None = None
+    ctx_size: int | None = None
+    tokenizer: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", _check_reference(self.model, "target.model", optional=False))
+        if self.backend not in BACKENDS:
+            raise SpecError(f"unknown backend '{self.backend}' (use {', '.join(BACKENDS)})", "target.backend")
+        _check_device(self.device, "target.device")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise SpecError(f"unknown dtype '{self.dtype}' (use {', '.join(DTYPES)})", "target.dtype")
+        _check_ctx_size(self.ctx_size, "target.ctx_size")
+
+    @property
+    def label(self) -> str:
+        """The model reference as text (a loaded model: its name_or_path, else its class name)."""
+        return _label(self.model)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """How drafts are made. `drafter`: a name in DRAFTERS (model: a draft LM; ngram: prompt lookup, no model;
+    hybrid: n-gram lookup when it matches confidently, the draft LM otherwise). `model`: the draft LM, in
+    the forms TargetSpec takes (it must share the target's tokenizer). `backend`: a name in BACKENDS, or auto
+    (the target's). `quant`: weight-only quantisation of a transformers draft: none, int8, int4 or auto (see
+    choose_draft_quant). `vocab` N > 0: a transformers draft scores only ~N frequent tokens
+    (verispec.vocab). `forward`: a transformers draft runs on verispec's lean decode path or on transformers'
+    own forward (auto: lean where the architecture allows). `ctx_size`: as TargetSpec's, for a llama.cpp
+    draft. None of these change the output distribution, only the speed."""
+
+    drafter: str = "model"
+    model: Any = None
+    backend: str = "auto"
+    quant: str = "auto"
+    vocab: int = 0
+    forward: str = "auto"
+    ctx_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise SpecError(f"unknown drafter '{self.drafter}' (use {', '.join(DRAFTERS)})", "draft.drafter")
+        object.__setattr__(self, "model", _check_reference(self.model, "draft.model", optional=True))
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise SpecError(f"unknown draft backend '{self.backend}' (use auto, {', '.join(BACKENDS)})",
+                            "draft.backend")
+        if self.quant not in ("auto", *QUANT_MODES):
+            raise SpecError(f"unknown draft quantisation '{self.quant}' (use auto, {', '.join(QUANT_MODES)})",
+                            "draft.quant")
+        if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 0:
+            raise SpecError(f"the reduced draft vocabulary must be >= 0 tokens (0 = the whole vocabulary), got "
+                            f"{self.vocab!r}", "draft.vocab")
+        if self.forward not in DRAFT_FORWARDS:
+            raise SpecError(f"unknown draft forward '{self.forward}' (use {', '.join(DRAFT_FORWARDS)})",
+                            "draft.forward")
+        _check_ctx_size(self.ctx_size, "draft.ctx_size")
+
+    @property
+    def label(self) -> str | None:
+        return None if self.model is None else _label(self.model)
+
+
+def _label(model: object) -> str:
+    if is_loaded(model):
+        return getattr(model, "name_or_path", "") or type(model).__name__
+    return str(model)
+
+
+def check_k(k: int | str) -> int | str:
+    """k: draft tokens per round, an integer >= 0 (0: plain decoding) or 'auto' (cost-aware adaptive k)."""
+    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise SpecError(f"k must be an integer >= 0 or 'auto', got {k!r}", "k")
+    return k
+
+
+# -- registries ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What a backend loader is asked for. quant, head_ids (the reduced vocabulary's token ids) and forward
+    are a transformers draft's options; ctx_size is llama.cpp's."""
+
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    ctx_size: int | None = None
+    quant: str = "none"
+    head_ids: torch.Tensor | None = None
+    forward: str = "transformers"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registry entry: `load(request) -> (Model, EOS ids it knows of)`; `draft_options`: it takes a draft's
+    quantisation, reduced vocabulary and forward choice; `loaded_models`: it runs already-loaded transformers
+    models; `available()` raises a ModelError that says how to install what it needs."""
+
+    load: Callable[[LoadRequest], tuple[Model, list[int]]]
+    draft_options: bool
+    loaded_models: bool
+    available: Callable[[], object] = lambda: None
+
+
+def _load_hf(request: LoadRequest) -> tuple[Model, list[int]]:
+    hf_model = request.model if is_loaded(request.model) else load_model(request.model, request.device, request.dtype)
+    eos = eos_token_ids(hf_model, None)
+    if request.head_ids is not None:
+        restrict_head(hf_model, request.head_ids)
+    forward = request.forward
+    if forward == "auto":
+        forward = "lean" if lean_unsupported(hf_model) is None else "transformers"
+    if forward == "lean":
+        try:
+            model = LeanModel(hf_model)  # fuses the layers it needs into modules of its own
+        except ValueError as exc:
+            raise SpecError(str(exc), "draft.forward") from exc
+        quantize_model(model.net, request.quant)
+        return model, eos
+    return HFModel(quantize_model(hf_model, request.quant)), eos
+
+
+def _load_llamacpp(request: LoadRequest) -> tuple[Model, list[int]]:
+    from verispec.backends.llamacpp import LlamaCppModel
+
+    model = LlamaCppModel(resolve_gguf(request.model), request.device, n_ctx=request.ctx_size)
+    return model, [model.llm.token_eos(), *configured_eos_ids(request.model)]
+
+
+def _llama_cpp_available() -> object:
+    from verispec.backends.llamacpp import import_llama_cpp
+
+    return import_llama_cpp()
+
+
+BACKENDS: dict[str, Backend] = {
+    "hf": Backend(_load_hf, draft_options=True, loaded_models=True),
+    "llamacpp": Backend(_load_llamacpp, draft_options=False, loaded_models=False, available=_llama_cpp_available),
+}
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A registry entry: `make(draft model or None, the target's vocabulary size) -> Proposer`;
+    `needs_model`: whether it drafts with a draft LM."""
+
+    make: Callable[[Model | None, int], Proposer]
+    needs_model: bool
+
+
+DRAFTERS: dict[str, Drafter] = {
+    "model": Drafter(lambda model, vocab: DraftModelProposer(model, vocab), needs_model=True),
+    "ngram": Drafter(lambda model, vocab: NgramProposer(), needs_model=False),
+    "hybrid": Drafter(lambda model, vocab: HybridProposer(NgramProposer(), DraftModelProposer(model, vocab)),
+                      needs_model=True),
+}
+
+
+# -- resolution and the combination rules -----------------------------------------------------------
+
+
+def resolve_backends(target: TargetSpec, draft: DraftSpec | None) -> tuple[str, str | None]:
+    """The backend each model runs on: the target's as asked; the draft's as asked, or the target's for
+    'auto' (a transformers target drafts with a transformers draft, int4 on the CPU: measured faster than
+    the same draft on llama.cpp, see choose_draft_quant). None: no draft model."""
+    if draft is None or draft.model is None:
+        return target.backend, None
+    return target.backend, target.backend if draft.backend == "auto" else draft.backend
+
+
+def choose_draft_quant(draft_quant: str, draft_backend: str, device: torch.device) -> str:
+    """auto: int4 for a transformers draft on the CPU, else none. Measured here (HumanEval, 6 prompts, one
+    run, k=auto): the 0.5B draft in int4 costs ~0.15 of a bf16 1.5B verify pass (~0.5 in bf16), gives
+    2.41x over plain decoding against 2.25x for the same draft's GGUF on llama.cpp, and prefills long
+    prompts several times faster than llama.cpp does here. GGUF drafts are quantised already; on CUDA
+    the packed CPU kernels do not apply."""
+    if draft_quant not in ("auto", *QUANT_MODES):
+        raise SpecError(f"unknown draft quantisation '{draft_quant}' (use auto, {', '.join(QUANT_MODES)})",
+                        "draft.quant")
+    if draft_quant != "auto":
+        return draft_quant
+    return "int4" if draft_backend == "hf" and device.type == "cpu" else "none"
+
+
+def default_k(target_backend: str, draft_backend: str | None) -> int | str:
+    """k when none is asked for: 'auto' where llama.cpp runs (a verify pass over k + 1 tokens costs ~1.5-3x
+    one token there, so a fixed k can be slower than plain decoding), else 4."""
+    return "auto" if "llamacpp" in (target_backend, draft_backend) else 4
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def resolve(target: TargetSpec, draft: DraftSpec | None) -> tuple[TargetSpec, DraftSpec | None, torch.device]:
+    """Specs with every 'auto' decided (backends, draft quantisation, device), checked by check_specs, and
+    the device the pipeline runs on."""
+    backend, draft_backend = resolve_backends(target, draft)
+    target = replace(target, backend=backend)
+    if is_loaded(target.model):
+        device = _model_device(target.model)
+    else:
+        try:
+            device = resolve_device(target.device)
+        except ModelError as exc:  # e.g. CUDA asked for where there is none
+            raise SpecError(str(exc), "target.device") from None
+    if draft is not None and draft.model is not None:
+        # a loaded draft is used as given: quantisation would rebuild its layers in place
+        quant = "none" if draft.quant == "auto" and is_loaded(draft.model) else draft.quant
+        draft = replace(draft, backend=draft_backend, quant=choose_draft_quant(quant, draft_backend, device))
+    check_specs(target, draft, device)
+    return replace(target, device=str(device)), draft, device
+
+
+def check_specs(target: TargetSpec, draft: DraftSpec | None, device: torch.device) -> None:
+    """Every rule about how the fields of resolved specs combine (each field alone was checked when its
+    spec was made); `device`: where the pipeline will run. Raises SpecError naming the field at fault."""
+    if is_loaded(target.model):
+        if target.device not in ("auto", str(device), device.type):
+            raise SpecError(f"a loaded model runs on the device it is on ({device}), not '{target.device}': move "
+                            f"it first", "target.device")
+        if not BACKENDS[target.backend].loaded_models:
+            raise SpecError(f"a loaded transformers model runs on a backend that takes one (not "
+                            f"'{target.backend}'); pass a GGUF file for llama.cpp", "target.backend")
+        if target.tokenizer is None:
+            raise SpecError("a loaded target model needs its tokenizer", "target.tokenizer")
+        if target.dtype is not None:
+            raise SpecError("a loaded model keeps its own dtype: cast it before passing it", "target.dtype")
+    if draft is None:
+        return
+    drafter = DRAFTERS[draft.drafter]
+    if drafter.needs_model and draft.model is None:
+        raise SpecError(f"the '{draft.drafter}' drafter needs a draft model", "draft.model",
+                        (("draft.drafter", "ngram"), ("draft", None)))
+    if not drafter.needs_model:
+        if draft.model is not None:
+            raise SpecError(f"the '{draft.drafter}' drafter takes no draft model", "draft.model")
+        for name, value, default in (("quant", draft.quant, ("auto", "none")), ("vocab", draft.vocab, (0,)),
+                                     ("forward", draft.forward, ("auto",)), ("backend", draft.backend, ("auto",))):
+            if value not in default:
+                raise SpecError(f"the draft {name} applies to a draft model; the '{draft.drafter}' drafter has none",
+                                f"draft.{name}")
+        return
+    backend = BACKENDS[draft.backend]
+    if not backend.draft_options:
+        fix = (("draft.backend", "hf"),)
+        if draft.quant != "none":
+            raise SpecError(f"draft quantisation '{draft.quant}' applies to a transformers draft; a GGUF model is "
+                            f"already quantized", "draft.quant", fix)
+        if draft.vocab:
+            raise SpecError(f"a reduced draft vocabulary applies to a transformers draft ({draft.backend} always "
+                            f"scores the whole vocabulary)", "draft.vocab", fix)
+        if draft.forward != "auto":
+            raise SpecError(f"the draft forward '{draft.forward}' applies to a transformers draft", "draft.forward",
+                            fix)
+    if is_loaded(draft.model):
+        if not backend.loaded_models:
+            raise SpecError(f"a loaded draft model runs on a backend that takes one (not '{draft.backend}')",
+                            "draft.backend")
+        if draft.quant != "none" or draft.vocab:
+            raise SpecError("quantisation and a reduced vocabulary change a draft's layers in place: pass the draft "
+                            "by reference (name or path) to have them", "draft.quant" if draft.quant != "none"
+                            else "draft.vocab")
+
+
+def default_refs(target: str | None, draft: str | None, drafter: str | None = "model",
+                 pull_missing: bool = False) -> tuple[str, str | None]:
+    """Fill in the default pair (target None: the default target, and the default draft when none is given
+    and the drafter drafts with a model); make sure the default models are installed (pull them when
+    `pull_missing`). `drafter` None: plain decoding, no draft."""
+    uses_model = drafter in DRAFTERS and DRAFTERS[drafter].needs_model
+    if target is None:
+        target = DEFAULT_TARGET
+        if draft is None and uses_model:
+            draft = DEFAULT_DRAFT
+    for ref in (target, draft):
+        if isinstance(ref, str) and ref in (DEFAULT_TARGET, DEFAULT_DRAFT) and installed(ref) is None:
+            if not pull_missing:
+                raise SpecError(f"the default model '{ref}' is not installed: run `verispec models pull`",
+                                "target.model" if ref == target else "draft.model", (("pull", True),))
+            pull(ref)
+    return target, draft
+
+
+# -- loading each model once --------------------------------------------------------------------------
+
+
+def _model_key(model: object) -> object:
+    return ("loaded", id(model)) if is_loaded(model) else model
+
+
+class ModelStore:
+    """Loaded tokenizers and models, keyed by what determines them (the reference, backend, device, dtype,
+    and for a draft its quantisation, vocabulary and forward), so that pipelines built from specs naming the
+    same model load it once. A target and a draft are never shared with each other, even when the specs
+    name the same model: one generation uses both caches at once.
+
+    Pipelines that share a loaded model share its KV cache, and each generator believes its cache holds
+    what it left there. So at most one of them generates at a time, and each is reset
+    (`pipeline.generator.reset()`) before it generates after another one used the shared model."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple, object] = {}
+        self.seconds: dict[tuple, float] = {}  # how long each entry took to load
+
+    def _get(self, key: tuple, make: Callable[[], object]) -> object:
+        if key not in self._items:
+            t0 = time.perf_counter()
+            self._items[key] = make()
+            self.seconds[key] = time.perf_counter() - t0
+        return self._items[key]
+
+    def tokenizer(self, ref: str):
+        """The tokenizer of a model reference."""
+        return self._get(("tokenizer", ref), lambda: load_tokenizer(ref))
+
+    def target(self, spec: TargetSpec, dtype: torch.dtype) -> tuple[Model, list[int]]:
+        """(Model, EOS ids) for a resolved target spec."""
+        device = torch.device(spec.device)
+        key = ("target", _model_key(spec.model), spec.backend, spec.device, dtype, spec.ctx_size)
+        return self._get(key, lambda: BACKENDS[spec.backend].load(LoadRequest(spec.model, device, dtype,
+                                                                              spec.ctx_size)))
+
+    def draft(self, spec: DraftSpec, device: torch.device, dtype: torch.dtype, tokenizer, vocab_size: int) -> Model:
+        """The draft Model for a resolved draft spec, on the target's device and dtype; `tokenizer` and
+        `vocab_size` (the target's) pick a reduced vocabulary's tokens."""
+        key = ("draft", _model_key(spec.model), spec.backend, str(device), dtype, spec.quant, spec.vocab,
+               spec.forward, spec.ctx_size)
+
+        def make() -> Model:
+            head_ids = frequent_tokens(tokenizer, spec.vocab, vocab_size) if spec.vocab else None
+            request = LoadRequest(spec.model, device, dtype, spec.ctx_size, spec.quant, head_ids, spec.forward)
+            return BACKENDS[spec.backend].load(request)[0]
+
+        return self._get(key, make)
+
+    def transformers_model(self, ref: str, device: torch.device, dtype: torch.dtype):
+        """A plain transformers model (no quantisation, full head, its own forward), e.g. for a reference
+        implementation to run."""
+        return self._get(("transformers", ref, str(device), dtype), lambda: load_model(ref, device, dtype))
+
+
+# -- the builder ----------------------------------------------------------------------------------------
+
+
+def _dtype(target: TargetSpec) -> torch.dtype:
+    if is_loaded(target.model):
+        return next(target.model.parameters()).dtype
+    return DTYPES[target.dtype or "bf16"]
+
+
+def _forward_name(model: Model | None, backend: str | None) -> str:
+    if model is None or backend != "hf":
+        return "none"
+    return "lean" if isinstance(model, LeanModel) else "transformers"
+
+
+def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | None = None, *, k_max: int = 8,
+          store: ModelStore | None = None) -> Pipeline:
+    """A pipeline for `target` drafted by `draft` (None: plain decoding) with k draft tokens per round (an
+    integer >= 0, 'auto', or None: default_k). Models come from `store` (a fresh one when None): pipelines
+    built on one store share the models their specs have in common (see ModelStore for the reset rule).
+    Refuses an incompatible pair (different vocabularies) before loading any weights."""
+    if k is not None:
+        check_k(k)
+    target, draft, device = resolve(target, draft)
+    store = store if store is not None else ModelStore()
+    has_model = draft is not None and draft.model is not None
+    draft_backend = draft.backend if has_model else None
+    for name in dict.fromkeys((target.backend, draft_backend)):
+        if name is not None:
+            BACKENDS[name].available()  # say how to install it before loading anything
+    dtype = _dtype(target)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    tokenizer = target.tokenizer if target.tokenizer is not None else store.tokenizer(target.model)
+    if has_model and not is_loaded(draft.model):
+        check_same_vocabulary(tokenizer, store.tokenizer(draft.model), target.label, draft.label)
+    times["tokenizers"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    target_model, eos = store.target(target, dtype)
+    times["target"] = time.perf_counter() - t0
+    draft_model = None
+    if has_model:
+        t0 = time.perf_counter()
+        draft_model = store.draft(draft, device, dtype, tokenizer, target_model.vocab_size)
+        times["draft"] = time.perf_counter() - t0
+    proposer = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, target_model.vocab_size)
+    eos = sorted({*eos, *eos_token_ids(None, tokenizer)})
+    if k is None:
+        k = default_k(target.backend, draft_backend) if draft is not None else 0
+    generator = SpeculativeGenerator(target_model, proposer, eos, k, k_max)
+    return Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
+                    times)
+
+
+def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafter: str | None = "model",
+         k: int | str | None = None, device: str = "auto", dtype: str | None = None, backend: str = "hf",
+         draft_backend: str = "auto", draft_quant: str = "auto", draft_vocab: int = 0, draft_forward: str = "auto",
+         ctx_size: int | None = None, pull_missing: bool = False, store: ModelStore | None = None) -> Pipeline:
+    """A ready pipeline: `pipe.generate(prompt)`, `pipe.stream(prompt)`.
+
+    `target` / `draft`: a known name, a Hugging Face directory, a .gguf file, a hub id, or a loaded
+    transformers model (a loaded target needs `tokenizer=`; a loaded draft must share it). target None: the
+    default pair (the default draft too unless one is given); the default models must be installed
+    (`verispec models pull`, or `pull_missing=True`). `drafter`: model, ngram (prompt lookup, no draft
+    model) or hybrid; None: plain decoding. `k`: draft tokens per round, or 'auto' (None: 4, or 'auto'
+    where llama.cpp runs). The other options are the fields of TargetSpec and DraftSpec (`ctx_size` applies
+    to every llama.cpp model of the pair)."""
+    if not is_loaded(target):
+        target, draft = default_refs(target, draft, drafter, pull_missing)
+    target_spec = TargetSpec(target, backend, device, dtype, ctx_size, tokenizer)
+    if drafter is None:
+        if draft is not None:
+            raise SpecError("plain decoding (no drafter) takes no draft model", "draft.model")
+        return build(target_spec, None, k, store=store)
+    draft_spec = DraftSpec(drafter, draft, draft_backend, draft_quant, draft_vocab, draft_forward, ctx_size)
+    return build(target_spec, draft_spec, k, store=store)
+
+
+__all__ = [
+    "BACKENDS", "DRAFTERS", "Backend", "DraftSpec", "Drafter", "LoadRequest", "ModelStore", "SpecError", "TargetSpec",
+    "build", "check_specs", "choose_draft_quant", "default_k", "default_refs", "load", "resolve", "resolve_backends",
+]
