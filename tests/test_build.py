@@ -249,4 +249,4 @@ def test_cli_names_its_flags_for_a_refused_spec(pair_dirs, capsys):
     assert "[--draft-vocab]" in err and "--draft-backend hf" in err and "\n" not in err
     assert main(["generate", "--target", target, "--prompt", "a"]) == 2
     err = capsys.readouterr().err
-    assert "[--draft]" in err and "--drafter ngram" in err and "--no-speculation" in err
+    assert "--draft" in err and "--drafter ngram" in err and "--no-speculation" in err

@@ -47,11 +47,13 @@ DEVICES = ("auto", "cpu", "cuda")
 class SpecError(ModelError):
     """A specification refused. `field` names the spec field at fault ('draft.vocab', 'target.device', 'k');
     `fixes` lists (field, value) settings that would be accepted instead (value None: leave the field out),
-    so that a front end can name its own options for them."""
+    so that a front end can name its own options for them. `runtime`: the settings are valid, the machine
+    cannot honour them (a model not installed, an architecture a loader does not support)."""
 
-    def __init__(self, message: str, field: str, fixes: tuple[tuple[str, Any], ...] = ()) -> None:
+    def __init__(self, message: str, field: str, fixes: tuple[tuple[str, Any], ...] = (),
+                 runtime: bool = False) -> None:
         super().__init__(message)
-        self.field, self.fixes = field, fixes
+        self.field, self.fixes, self.runtime = field, fixes, runtime
 
 
 def is_loaded(model: object) -> bool:
@@ -210,7 +212,7 @@ def _load_hf(request: LoadRequest) -> tuple[Model, list[int]]:
         try:
             model = LeanModel(hf_model)  # fuses the layers it needs into modules of its own
         except ValueError as exc:
-            raise SpecError(str(exc), "draft.forward") from exc
+            raise SpecError(str(exc), "draft.forward", runtime=True) from exc
         quantize_model(model.net, request.quant)
         return model, eos
     return HFModel(quantize_model(hf_model, request.quant)), eos
@@ -373,7 +375,7 @@ def default_refs(target: str | None, draft: str | None, drafter: str | None = "m
         if isinstance(ref, str) and ref in (DEFAULT_TARGET, DEFAULT_DRAFT) and installed(ref) is None:
             if not pull_missing:
                 raise SpecError(f"the default model '{ref}' is not installed: run `verispec models pull`",
-                                "target.model" if ref == target else "draft.model", (("pull", True),))
+                                "target.model" if ref == target else "draft.model", (("pull", True),), runtime=True)
             pull(ref)
     return target, draft
 

@@ -170,7 +170,8 @@ _SPEC_FLAGS = {
 
 @contextlib.contextmanager
 def _spec_errors():
-    """A refused spec as a ModelError naming the flag at fault and the flags that would be accepted."""
+    """A refused spec as one line naming the flag at fault and the flags that would be accepted: a usage error
+    (ValueError), or a runtime failure (ModelError) when the machine cannot honour valid settings."""
     from verispec.build import SpecError
 
     try:
@@ -180,7 +181,7 @@ def _spec_errors():
         fixes = [_SPEC_FLAGS.get(f, f) + ("" if v is None or v is True else f" {v}") for f, v in exc.fixes]
         if fixes:
             hint += f" (or: {', '.join(fixes)})"
-        raise ModelError(f"{exc}{hint}") from None
+        raise (ModelError if exc.runtime else ValueError)(f"{exc}{hint}") from None
 
 
 def _specs(args, drafter: str | None):
@@ -800,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _draft_variants_arg(text: str) -> str:
     """--draft-variants: each variant parses (the text itself is kept)."""
-    from verispec.pipeline import parse_draft_variant
+    from verispec.bench.harness import parse_draft_variant
 
     for variant in (v.strip() for v in text.split(",") if v.strip()):
         try:
