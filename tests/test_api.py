@@ -171,3 +171,26 @@ def test_context_length_is_the_shorter_of_the_pair(models, drafter):
     pipe = verispec.load(target, short, tokenizer=tok, drafter=drafter)
     assert pipe.generator.target.max_length == 4096 and context_length(pipe) == pipe.context_length == 512
     assert verispec.load(target, tokenizer=tok, drafter="ngram").context_length == 4096
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid", "hybrid-suffix"])
+def test_every_drafter_loads_and_decodes_exactly(models, plain, drafter):
+    """Each registered drafter builds through verispec.load and gives plain decoding's greedy tokens; the
+    suffix drafters learn from the pipeline's earlier outputs, so the second identical request drafts more."""
+    target, draft, tok = models
+    pipe = verispec.load(target, None if drafter in ("ngram", "suffix") else draft, tokenizer=tok, drafter=drafter, k=4)
+    prompt = PROMPT + " jumps over the lazy dog. " * 3
+    expected = plain.generate(prompt, max_new_tokens=40).token_ids
+    first = pipe.generate(prompt, max_new_tokens=40)
+    second = pipe.generate(prompt, max_new_tokens=40)
+    assert first.token_ids == expected and second.token_ids == expected
+    if "suffix" in drafter:
+        assert second.stats.accepted > first.stats.accepted
+
+
+def test_cli_drafter_names_are_the_registry():
+    from verispec.build import DRAFTERS
+    from verispec.cli import DRAFTER_NAMES, FREE_DRAFTERS
+
+    assert DRAFTER_NAMES == tuple(DRAFTERS)
+    assert FREE_DRAFTERS == tuple(name for name, d in DRAFTERS.items() if not d.needs_model)

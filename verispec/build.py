@@ -35,7 +35,7 @@ from verispec.loading import (
 )
 from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
 from verispec.pipeline import Pipeline
-from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
 from verispec.proposers.base import Proposer
 from verispec.quant import QUANT_MODES, quantize_model
 from verispec.vocab import frequent_tokens, restrict_head
@@ -119,7 +119,8 @@ class TargetSpec:
 @dataclass(frozen=True)
 class DraftSpec:
     """How drafts are made. `drafter`: a name in DRAFTERS (model: a draft LM; ngram: prompt lookup, no model;
-    hybrid: n-gram lookup when it matches confidently, the draft LM otherwise). `model`: the draft LM, in
+    suffix: suffix-tree lookup over the sequence and this pipeline's earlier outputs, no model; hybrid /
+    hybrid-suffix: n-gram / suffix lookup when it matches confidently, the draft LM otherwise). `model`: the draft LM, in
     the forms TargetSpec takes (it must share the target's tokenizer). `backend`: a name in BACKENDS, or auto
     (the target's). `quant`: weight-only quantisation of a transformers draft: none, int8, int4 or auto (see
     choose_draft_quant). `vocab` N > 0: a transformers draft scores only ~N frequent tokens
@@ -249,8 +250,11 @@ class Drafter:
 DRAFTERS: dict[str, Drafter] = {
     "model": Drafter(lambda model, vocab: DraftModelProposer(model, vocab), needs_model=True),
     "ngram": Drafter(lambda model, vocab: NgramProposer(), needs_model=False),
+    "suffix": Drafter(lambda model, vocab: SuffixProposer(), needs_model=False),
     "hybrid": Drafter(lambda model, vocab: HybridProposer(NgramProposer(), DraftModelProposer(model, vocab)),
                       needs_model=True),
+    "hybrid-suffix": Drafter(lambda model, vocab: HybridProposer(SuffixProposer(), DraftModelProposer(model, vocab)),
+                             needs_model=True),
 }
 
 

@@ -19,6 +19,10 @@ import tempfile
 from verispec import __version__
 from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
 
+# verispec.build.DRAFTERS, without importing torch to parse flags (a test checks they agree)
+DRAFTER_NAMES = ("model", "ngram", "suffix", "hybrid", "hybrid-suffix")
+FREE_DRAFTERS = ("ngram", "suffix")  # the drafters that take no draft model
+
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
@@ -66,9 +70,10 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                    help="llama.cpp context per model, in tokens (default: the model's trained context, capped so "
                         "that its KV cache takes at most a quarter of the available memory)")
     if speculation_flags:
-        p.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
-                       help="model: the draft LM; ngram: prompt lookup (no draft model); hybrid: n-gram when it "
-                            "matches confidently, else the draft LM")
+        p.add_argument("--drafter", default="model", choices=DRAFTER_NAMES,
+                       help="model: the draft LM; ngram: prompt lookup (no draft model); suffix: suffix-tree lookup "
+                            "over the text and earlier outputs (no draft model); hybrid / hybrid-suffix: n-gram / "
+                            "suffix lookup when it matches confidently, else the draft LM")
         p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=None,
                        help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: 4; auto "
                             "when the target or the draft runs on llama.cpp, where a fixed k can be slower than "
@@ -192,7 +197,7 @@ def _specs(args, drafter: str | None):
     target_spec = TargetSpec(target, args.backend, args.device, args.dtype, args.ctx_size)
     if drafter is None:
         return target_spec, None
-    return target_spec, DraftSpec(drafter, None if drafter == "ngram" else draft, args.draft_backend,
+    return target_spec, DraftSpec(drafter, None if drafter in FREE_DRAFTERS else draft, args.draft_backend,
                                   args.draft_quant, args.draft_vocab, args.draft_forward, args.ctx_size)
 
 
@@ -218,7 +223,7 @@ def _prompt_text(prompt: str) -> str:
 
 def _check_draft(args) -> None:
     """A model drafter needs a draft: --draft, or the default pair's (when --target is not given)."""
-    if not args.no_speculation and args.drafter != "ngram" and args.target is not None and args.draft is None:
+    if not args.no_speculation and args.drafter not in FREE_DRAFTERS and args.target is not None and args.draft is None:
         raise UsageError("no draft model: pass --draft (or --drafter ngram, or --no-speculation for plain decoding)")
 
 
@@ -279,7 +284,7 @@ def cmd_chat(args) -> int:
                   stop=tuple(args.stop), measure_plain=args.measure_plain)
     interactive = sys.stdin.isatty()
     k = pipe.generator.num_draft_tokens
-    draft = {"none": "no speculation", "ngram": f"n-gram drafts (k={k})"}.get(
+    draft = {"none": "no speculation", "ngram": f"n-gram drafts (k={k})", "suffix": f"suffix drafts (k={k})"}.get(
         pipe.drafter, f"{pipe.drafter} drafter, draft {pipe.draft_ref} on {pipe.draft_backend} (k={k})")
     banner = f"verispec chat: target {pipe.target_ref} on {pipe.backend}, {draft}, {pipe.device}"
     return run_repl(bot, interactive, banner)
@@ -402,8 +407,8 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     for d in drafters:
-        if d not in ("model", "ngram", "hybrid"):
-            raise ValueError(f"unknown drafter '{d}' in --drafters (use model, ngram, hybrid)")
+        if d not in DRAFTER_NAMES:
+            raise ValueError(f"unknown drafter '{d}' in --drafters (use {', '.join(DRAFTER_NAMES)})")
     variants = [v.strip() for v in (args.draft_variants or "").split(",") if v.strip()]
     with _spec_errors():
         for v in variants:
@@ -411,7 +416,7 @@ def cmd_bench(args) -> int:
     named = len(drafters) > 1 or bool(variants)
     configs = [Config(f"{d} k={k}" if named else f"verispec k={k}", "spec", k, d) for d in drafters for k in ks]
     configs += [Config(f"{d}[{v}] k={k}", "spec", k, f"{d}[{v}]")
-                for v in variants for d in drafters if d != "ngram" for k in ks]
+                for v in variants for d in drafters if d not in FREE_DRAFTERS for k in ks]
     if "hf" in args.compare:
         configs.append(Config("hf assisted", "hf"))
     if "hf-lookup" in args.compare:
@@ -420,7 +425,7 @@ def cmd_bench(args) -> int:
         configs.append(Config("llama.cpp plain", "llama"))
     if "llama-lookup" in args.compare:
         configs.append(Config("llama.cpp prompt lookup", "llama-lookup"))
-    needs_draft = any(d != "ngram" for d in drafters) or "hf" in args.compare
+    needs_draft = any(d not in FREE_DRAFTERS for d in drafters) or "hf" in args.compare
     with _spec_errors():
         target_spec, draft_spec = _specs(args, "model" if needs_draft else "ngram")
         bench = Bench(target_spec, draft_spec)

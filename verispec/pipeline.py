@@ -239,11 +239,11 @@ def build_pipeline(
 ) -> Pipeline:
     """verispec.build.build with its specs given as flat arguments (references only; draft None with the
     'model' or 'hybrid' drafter: plain decoding)."""
-    from verispec.build import DraftSpec, TargetSpec, build
+    from verispec.build import DRAFTERS, DraftSpec, TargetSpec, build
 
     spec = TargetSpec(target, backend, device, dtype, ctx_size)
-    if drafter == "ngram":
-        draft_spec = DraftSpec("ngram")
+    if drafter in DRAFTERS and not DRAFTERS[drafter].needs_model:
+        draft_spec = DraftSpec(drafter)
     elif draft is None:
         draft_spec = None
     else:

@@ -11,7 +11,7 @@ import torch
 
 from verispec.backends import HFModel
 from verispec.bench.loader import Prompt
-from verispec.build import BACKENDS, DRAFT_FORWARDS, DraftSpec, ModelStore, SpecError, TargetSpec, build, resolve
+from verispec.build import BACKENDS, DRAFTERS, DRAFT_FORWARDS, DraftSpec, ModelStore, SpecError, TargetSpec, build, resolve
 from verispec.pipeline import Pipeline
 from verispec.quant import QUANT_MODES
 from verispec.sampling import SamplingParams
@@ -68,14 +68,14 @@ class Bench:
         self._references: dict[str, object] = {}
 
     def draft_spec(self, config: Config) -> DraftSpec | None:
-        """The draft spec of a configuration: none for plain decoding and the references, n-gram lookup, or
+        """The draft spec of a configuration: none for plain decoding and the references, a free lookup drafter, or
         the bench's draft spec with the configuration's drafter and draft variant ('model[hf-int4]': the
         variant's backend, quantisation, vocabulary and forward)."""
         if config.kind != "spec":
             return None
         drafter, _, variant = config.drafter.rstrip("]").partition("[")
-        if drafter == "ngram":
-            return DraftSpec("ngram")
+        if not DRAFTERS[drafter].needs_model:
+            return DraftSpec(drafter)
         if self.draft is None or self.draft.model is None:
             raise ValueError(f"configuration '{config.name}' needs a draft model")
         spec = replace(self.draft, drafter=drafter)
