@@ -75,7 +75,7 @@ def test_context_limit_and_bad_rollback():
 def test_unsupported_architecture_is_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
     assert "gpt2" in lean_unsupported(gpt2)
-    with pytest.raises(ValueError, match="model type 'gpt2'.*--draft-forward transformers"):
+    with pytest.raises(ValueError, match="model type 'gpt2'.*use the transformers forward"):
         LeanModel(gpt2)
     assert lean_unsupported(tiny_qwen2(1)) is None and lean_unsupported(tiny_llama(1)) is None
 

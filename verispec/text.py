@@ -20,7 +20,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, system: str | None = None)
 
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; drop --chat and give a plain prompt")
+        raise ValueError("this model's tokenizer has no chat template: give a plain text prompt")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 

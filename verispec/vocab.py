@@ -22,7 +22,7 @@ ROW_MULTIPLE = 64
 def frequent_tokens(tokenizer, n: int, vocab_size: int) -> torch.Tensor:
     """[~n] sorted token ids: the tokenizer's special and added tokens, then ids in merge order."""
     if n <= 0:
-        raise ValueError(f"--draft-vocab must be positive, got {n}")
+        raise ValueError(f"the reduced draft vocabulary must be a positive number of tokens, got {n}")
     special = {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
     special |= {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
     special = {i for i in special if 0 <= i < vocab_size}

@@ -95,7 +95,7 @@ class LeanNet(nn.Module):
         super().__init__()
         reason = lean_unsupported(model)
         if reason is not None:
-            raise ValueError(f"the lean draft path cannot run {reason}: use --draft-forward transformers")
+            raise ValueError(f"the lean draft path cannot run {reason}: use the transformers forward")
         config, base = model.config, model.model
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
