@@ -69,12 +69,16 @@ def test_each_field_is_checked_when_the_spec_is_made(make, field, words):
 
 
 def test_registries_name_every_backend_and_drafter():
-    assert set(BACKENDS) == {"hf", "llamacpp"} and set(DRAFTERS) == {"model", "ngram", "hybrid"}
+    assert set(BACKENDS) == {"hf", "llamacpp"}
+    assert set(DRAFTERS) == {"model", "ngram", "suffix", "hybrid", "hybrid-suffix"}
     assert BACKENDS["hf"].draft_options and not BACKENDS["llamacpp"].draft_options
-    assert {name for name, d in DRAFTERS.items() if d.needs_model} == {"model", "hybrid"}
-    proposer = DRAFTERS["hybrid"].make(object(), 64)
-    assert type(proposer).__name__ == "HybridProposer" and proposer.model.vocab_size == 64
+    assert {name for name, d in DRAFTERS.items() if d.needs_model} == {"model", "hybrid", "hybrid-suffix"}
+    for name, lookup in (("hybrid", "NgramProposer"), ("hybrid-suffix", "SuffixProposer")):
+        proposer = DRAFTERS[name].make(object(), 64)
+        assert type(proposer).__name__ == "HybridProposer" and proposer.model.vocab_size == 64
+        assert type(proposer.lookup).__name__ == lookup
     assert type(DRAFTERS["ngram"].make(None, 64)).__name__ == "NgramProposer"
+    assert type(DRAFTERS["suffix"].make(None, 64)).__name__ == "SuffixProposer"
 
 
 def test_build_loads_through_the_backend_registry(pair_dirs, monkeypatch):
