@@ -84,6 +84,8 @@ def test_stop_string_held_back_text_keeps_its_counts(pipe):
     assert result.finish_reason == "stop" and result.text == base[: base.index(stop)]
     _check_pieces(pieces, result)
     assert len(_decode(pipe.tokenizer, result.token_ids)) > len(result.text)  # some tokens' text was cut
+    stats = result.stats  # the per-round accepted lengths describe what was emitted, the cut round included
+    assert sum(stats.accepted_lengths) == stats.accepted and len(stats.accepted_lengths) == stats.rounds
 
 
 def test_chatbot_pieces_add_up(pipe):
@@ -198,3 +200,36 @@ def test_chat_color_flag(pair_dirs, capsys, monkeypatch):
         outs[flag] = capsys.readouterr().out
     assert ANSI.search(outs["--color"]) and not ANSI.search(outs["--no-color"])
     assert ANSI.sub("", outs["--color"]) == outs["--no-color"]
+
+
+# -- benchmark plots ---------------------------------------------------------------------------------
+
+def test_bench_report_has_per_round_data_for_the_plots(pair_dirs, tmp_path):
+    """Accepted lengths per round add up to the accepted drafts and rounds; the timeline ends at each run's
+    token count; k = auto's mean k counts its plain rounds; the five plots are written."""
+    from verispec.bench.harness import Bench, Config, run_benchmark
+    from verispec.bench.loader import load_prompts, select
+    from verispec.bench.report import PLOTS, build_report, write_plots
+    from verispec.build import DraftSpec, TargetSpec
+    from verispec.sampling import SamplingParams
+
+    target, draft = pair_dirs
+    bench = Bench(TargetSpec(target, device="cpu", dtype="fp32"), DraftSpec("model", draft))
+    configs = [Config("k=2", "spec", 2), Config("k=auto", "spec", "auto")]
+    runs = run_benchmark(bench, select(load_prompts(None), per_category=1)[:2], configs, SamplingParams(),
+                         max_new_tokens=12)
+    report = build_report(runs, configs, {})
+    for entry in report["configs"][1:]:
+        o, mine = entry["overall"], [r for r in runs if r.config == entry["name"]]
+        counts = o["accepted_length_counts"]
+        assert sum(counts) == sum(r.rounds for r in mine) and sum(n * c for n, c in enumerate(counts)) == sum(
+            r.accepted for r in mine)
+        assert o["mean_k"] == pytest.approx(sum(r.drafted for r in mine) / sum(len(r.timeline) for r in mine))
+    assert 0 < report["configs"][1]["overall"]["mean_k"] <= 2
+    line = report["timeline"]
+    for name, points in line["configs"].items():
+        run = next(r for r in runs if r.config == name and r.prompt_id == line["prompt_id"])
+        assert points[-1][1] == run.new_tokens and [t for t, _ in points] == sorted(t for t, _ in points)
+    assert "timeline" not in report["runs"][0] and "accepted_lengths" not in report["runs"][0]
+    json.dumps(report)
+    assert [p.name for p in write_plots(report, tmp_path)] == list(PLOTS)

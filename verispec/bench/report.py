@@ -243,7 +243,8 @@ def _accepted_length_histogram(plt, save, spec: list[dict]) -> None:
         counts = e["overall"].get("accepted_length_counts") or []
         total = sum(counts)
         if total:
-            ax.bar([n + j * width for n in range(len(counts))], [c / total for c in counts], width, label=e["name"])
+            offset = (j - (len(spec) - 1) / 2) * width  # each group centred on its n
+            ax.bar([n + offset for n in range(len(counts))], [c / total for c in counts], width, label=e["name"])
     ax.set_xlabel("drafts accepted in a round")
     ax.xaxis.get_major_locator().set_params(integer=True)
     save(fig, ax, "Accepted length per round", "share of rounds", PLOTS[1])

@@ -186,7 +186,7 @@ async function send(message) {
       const base = await streamReply(messages, "none", plain, false);
       const speedup = (reply.tokens / reply.seconds) / (base.tokens / base.seconds);
       line += ` · plain ${base.seconds.toFixed(2)} s → speedup ${speedup.toFixed(2)}x`;
-      if (base.text !== reply.text) line += " (texts differ: sampling)";
+      if (base.text !== reply.text) line += " (the texts differ)";
     }
     $("stats").textContent = line;
   } catch (e) {
