@@ -16,6 +16,10 @@ from typing import TextIO
 from verispec.chat import ChatBot
 from verispec.provenance import DRAFT, TARGET, Piece
 
+HELP = (
+    "Commands: /reset (new conversation), /stats (totals), /help, /exit. End a line with \\ to continue it on "
+    "the next. Ctrl-C stops an answer, Ctrl-D exits."
+)
 STYLES = {DRAFT: "green underline", TARGET: "yellow"}
 LEGEND = "tokens: drafted and accepted = green, underlined; produced by the target = yellow"
 
