@@ -162,7 +162,7 @@ def test_page_loads_without_a_key_the_api_needs_one(server):
     for asset in re.findall(r'(?:src|href)="(/static/[^"]+)"', page.text):
         assert httpx.get(server.url + asset).status_code == 200, asset
     assert re.search(r"https?://", page.text) is None  # nothing from elsewhere
-    assert httpx.get(server.url + "/static/../app.py").status_code == 404
+    assert httpx.get(server.url + "/static/..%2fapp.py").status_code == 404  # only the page's own files
     assert httpx.get(server.url + "/v1/models").status_code == 401
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert models["data"][0]["verispec"] == {"drafters": ["model", "none"], "num_draft_tokens": 3}
