@@ -120,8 +120,8 @@ async function streamReply(messages, drafter, col, live) {
     signal: busy.signal,
   });
   if (!response.ok) throw new Error(await errorMessage(response));
-  const out = {text: "", tokens: 0, accepted: 0, target: 0, seconds: 0, final: null};
-  await readEvents(response, (chunk) => {
+  const out = {text: "", tokens: 0, accepted: 0, target: 0, seconds: 0, final: null, stopped: false};
+  const reading = readEvents(response, (chunk) => {
     if (chunk.error) throw new Error(chunk.error.message);
     const choice = chunk.choices && chunk.choices[0];
     if (choice && choice.finish_reason) out.final = chunk.verispec || null;
@@ -145,6 +145,12 @@ async function streamReply(messages, drafter, col, live) {
                                              tokensPerSecond: out.tokens / Math.max(out.seconds, 1e-3)});
     }
   });
+  try {
+    await reading;
+  } catch (e) {  // Stop: what streamed so far stays, in the page and in the conversation
+    if (e.name !== "AbortError") throw e;
+    out.stopped = true;
+  }
   out.seconds = (performance.now() - started) / 1000;
   col.timing.textContent = `${out.tokens} tokens in ${out.seconds.toFixed(2)} s ` +
                            `(${(out.tokens / Math.max(out.seconds, 1e-3)).toFixed(1)} tok/s)`;
@@ -180,10 +186,11 @@ async function send(message) {
   try {
     const reply = await streamReply(messages, drafter, spec, true);
     history.push({role: "user", content: message}, {role: "assistant", content: reply.text});
-    let line = finalStats(reply);
-    if (plain) {
+    let line = finalStats(reply) + (reply.stopped ? " · stopped" : "");
+    if (plain && !reply.stopped) {
       $("stats").textContent = line + " · running plain decoding…";
       const base = await streamReply(messages, "none", plain, false);
+      if (base.stopped) line += " · plain decoding stopped";
       const speedup = (reply.tokens / reply.seconds) / (base.tokens / base.seconds);
       line += ` · plain ${base.seconds.toFixed(2)} s → speedup ${speedup.toFixed(2)}x`;
       if (base.text !== reply.text) line += " (the texts differ)";
@@ -193,7 +200,6 @@ async function send(message) {
     const failed = e.name === "AbortError" ? "stopped" : "failed: " + String(e.message || e);
     for (const col of [spec, plain]) if (col && !col.timing.textContent) col.timing.textContent = failed;
     if (e.name !== "AbortError") showError(String(e.message || e));
-    else $("stats").textContent += " · stopped";
   } finally {
     busy = null;
     $("send").disabled = false;
