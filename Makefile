@@ -1,7 +1,7 @@
 PYTHON ?= python3
 VERISPEC_HOME ?= $(HOME)/.cache/verispec
 
-.PHONY: setup install install-llamacpp models test test-fast
+.PHONY: setup install install-llamacpp models test test-fast browser-deps
 
 # Install the package into the current Python environment (torch pinned to 2.13.0, CPU), pull the default
 # model pair and the small test model, and try the optional llama.cpp backend: a failed llama.cpp build
@@ -40,9 +40,25 @@ models:
 	$(PYTHON) -m verispec.cli models pull
 	$(PYTHON) -m verispec.cli models pull smollm2-135m-instruct
 
-# The whole suite: unit tests on tiny in-process models, then integration tests on the real models.
+# The whole suite: unit tests on tiny in-process models, then integration tests on the real models. The chat
+# page's browser test needs chromium, chromedriver and selenium: installed first where apt can (root, or
+# sudo without a password); elsewhere that test skips and says why.
 test:
+	@$(MAKE) --no-print-directory browser-deps || echo "verispec: browser test dependencies not installed;" \
+	  "tests/test_browser.py will skip" >&2
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
+
+# chromium + chromedriver (apt) and selenium (pip), each only when missing.
+browser-deps:
+	@if ! command -v chromedriver >/dev/null 2>&1 || \
+	    ! { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; }; then \
+	  if ! command -v apt-get >/dev/null 2>&1; then echo "browser-deps: no apt-get here" >&2; exit 1; fi; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else echo "browser-deps: apt-get needs root" >&2; exit 1; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium \
+	    chromium-driver >/dev/null; \
+	fi
+	@$(PYTHON) -c "import selenium" 2>/dev/null || $(PYTHON) -m pip install -q 'selenium>=4.10'
 
 # Unit tests only (seconds to a minute, no model files needed).
 test-fast:

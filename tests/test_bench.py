@@ -112,7 +112,8 @@ def test_report_schema_and_identity(pair_dirs, tmp_path):
     assert "identity" in report["configs"][3]["overall"]  # HF's output is checked too
     json.dumps(report)  # serialisable
     paths = write_plots(report, tmp_path / "plots")
-    assert [p.name for p in paths] == ["speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_k.png"]
+    assert [p.name for p in paths] == ["speedup_by_category.png", "accepted_length_histogram.png",
+                                       "acceptance_by_position.png", "tokens_over_time.png", "speedup_vs_k.png"]
     for p in paths:
         assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
 
@@ -148,7 +149,7 @@ def test_cli_bench_end_to_end(pair_dirs, tmp_path, capsys):
     last = json.loads(out.strip().splitlines()[-1])
     assert last == json.loads(out_json.read_text())
     assert "speedup" in out and "bound" in out
-    assert len(last["plots"]) == 3
+    assert len(last["plots"]) == 5
     assert [c["name"] for c in last["configs"]] == ["plain", "model k=2", "model k=auto", "hybrid k=2", "hybrid k=auto",
                                                     "hf assisted"]
     assert main(["bench", "--target", target, "--draft", draft, "-k", "0"]) == 2
@@ -349,8 +350,9 @@ def test_cli_bench_interrupted_keeps_what_was_measured(pair_dirs, tmp_path, caps
     assert [(r["prompt_id"], r["config"]) for r in report["runs"]] == [
         ("line-1", "plain"), ("line-1", "verispec k=2"), ("line-2", "plain"), ("line-2", "verispec k=2")]
     assert report["configs"][1]["overall"]["speedup_median"] > 0
-    assert len(report["plots"]) == 3 and all((tmp_path / "plots" / name).is_file() for name in (
-        "speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_k.png"))
+    assert len(report["plots"]) == 5 and all((tmp_path / "plots" / name).is_file() for name in (
+        "speedup_by_category.png", "accepted_length_histogram.png", "acceptance_by_position.png",
+        "tokens_over_time.png", "speedup_vs_k.png"))
     assert captured.err.strip().splitlines()[-1] == "verispec: interrupted: the report holds the 4 runs measured before"
     assert not list(tmp_path.glob(".r.json.*"))
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from verispec.metrics import SpecStats
 from verispec.pipeline import Pipeline
+from verispec.provenance import Piece, ProvenanceText
 from verispec.sampling import SamplingParams
-from verispec.text import TextAssembler, encode_messages
+from verispec.text import encode_messages
 
 
 @dataclass
@@ -89,23 +90,34 @@ class ChatBot:
     def stream_response(self, user_message: str) -> Iterator[str]:
         """Yields text pieces as they are accepted. Closing the iterator early (Ctrl-C) keeps the partial
         reply in the history and the caches consistent."""
+        pieces = self.stream_pieces(user_message)
+        try:
+            for piece in pieces:
+                if piece.text:
+                    yield piece.text
+        finally:
+            pieces.close()
+
+    def stream_pieces(self, user_message: str) -> Iterator[Piece]:
+        """As stream_response, as Pieces: each also says which of its tokens were drafted-and-accepted and
+        which the target produced (verispec.provenance); the last may have no text."""
         if not user_message.strip():
             raise ValueError("empty message")
         prompt = self.prompt_ids(user_message)
-        text = TextAssembler(self.pipeline.tokenizer, self.stop)
+        text = ProvenanceText(self.pipeline.tokenizer, self.stop)
         generation = self.pipeline.generator.stream(
             prompt, self.params, self.max_new_tokens, self.num_draft_tokens,
-            stop=text.stop_index if self.stop else None,
+            stop=text.assembler.stop_index if self.stop else None,
         )
         finished = False
         try:
             for chunk in generation:
                 piece = text.push(chunk)
-                if piece:
+                if piece is not None:
                     yield piece
             finished = True
             rest = text.finish()
-            if rest:
+            if rest is not None:
                 yield rest
         finally:
             generation.close()

@@ -88,6 +88,12 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
 
 
+def _add_color_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
+                   help="colour each token by provenance: drafted and accepted (green, underlined) or produced "
+                        "by the target (yellow) (default: on when stdout is a terminal)")
+
+
 def _add_draft_forward_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-forward", default="auto", choices=["auto", "lean", "transformers"],
                    help="how a transformers draft runs: lean (verispec's decode path for Llama/Qwen2/Mistral: "
@@ -227,8 +233,15 @@ def _check_draft(args) -> None:
         raise UsageError("no draft model: pass --draft (or --drafter ngram, or --no-speculation for plain decoding)")
 
 
+def _color(args) -> bool:
+    """--color / --no-color; unset: colour when stdout is a terminal."""
+    return sys.stdout.isatty() if args.color is None else args.color
+
+
 def cmd_generate(args) -> int:
-    from verispec.text import TextAssembler, encode_prompt
+    from verispec.provenance import ProvenanceText
+    from verispec.repl import LEGEND, TokenWriter
+    from verispec.text import encode_prompt
 
     params = _sampling(args)
     _check_draft(args)
@@ -236,16 +249,20 @@ def cmd_generate(args) -> int:
     pipe = _pipeline(args)
     # a system message is part of a chat template: --system implies --chat
     prompt_ids = encode_prompt(pipe.tokenizer, prompt, args.chat or args.system is not None, args.system)
-    text = TextAssembler(pipe.tokenizer, args.stop)
+    text = ProvenanceText(pipe.tokenizer, args.stop)
+    color = _color(args) and not args.json
+    out = TokenWriter(sys.stdout, color)
+    if color:
+        print(LEGEND, file=sys.stderr, flush=True)
     try:
         generation = pipe.generator.stream(
-            prompt_ids, params, max_new_tokens=args.max_new_tokens, stop=text.stop_index if args.stop else None
+            prompt_ids, params, max_new_tokens=args.max_new_tokens,
+            stop=text.assembler.stop_index if args.stop else None
         )
         for chunk in generation:
             piece = text.push(chunk)
-            if not args.json and piece:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            if not args.json and piece is not None:
+                out.write(piece)
     except ValueError as exc:  # the engine refusing this prompt (e.g. too long for the context) is a failure
         raise CommandError(f"generation failed: {exc}") from exc
     result = generation.result
@@ -268,7 +285,10 @@ def cmd_generate(args) -> int:
             "stats": result.stats.to_dict(),
         }))
     else:
-        sys.stdout.write(text.finish() + "\n")
+        rest = text.finish()
+        if rest is not None:
+            out.write(rest)
+        out.text("\n")
         print(result.stats.summary(), file=sys.stderr)
     return 0
 
@@ -287,7 +307,7 @@ def cmd_chat(args) -> int:
     draft = {"none": "no speculation", "ngram": f"n-gram drafts (k={k})", "suffix": f"suffix drafts (k={k})"}.get(
         pipe.drafter, f"{pipe.drafter} drafter, draft {pipe.draft_ref} on {pipe.draft_backend} (k={k})")
     banner = f"verispec chat: target {pipe.target_ref} on {pipe.backend}, {draft}, {pipe.device}"
-    return run_repl(bot, interactive, banner)
+    return run_repl(bot, interactive, banner, color=_color(args))
 
 
 def _k_list(text: str) -> list[int | str]:
@@ -697,6 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the chat template (the prompt is a user message)")
     g.add_argument("--system", help="system message (implies --chat) (default: none)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_color_arg(g)
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
@@ -705,6 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="system message (default: none)")
     c.add_argument("--measure-plain", action="store_true",
                    help="after each answer, also time plain decoding of it and show the speedup")
+    _add_color_arg(c)
     _add_model_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)

@@ -14,6 +14,7 @@ class SpecStats:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that drafted position i
+    accepted_lengths: list[int] = field(default_factory=list)  # per drafting round: drafts accepted
     target_forwards: int = 0
     draft_forwards: int = 0
     target_seconds: float = 0.0
@@ -27,6 +28,7 @@ class SpecStats:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.accepted_lengths.append(accepted)
         for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
             if len(counts) < upto:
                 counts.extend([0] * (upto - len(counts)))
@@ -54,6 +56,8 @@ class SpecStats:
                 counts[i] -= 1
         self.drafted -= drafted - emitted
         self.accepted -= accepted - emitted
+        if self.accepted_lengths:
+            self.accepted_lengths[-1] = emitted
 
     @property
     def acceptance_rate(self) -> float:
@@ -87,6 +91,7 @@ class SpecStats:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, c in enumerate(theirs):
                 mine[i] += c
+        self.accepted_lengths.extend(other.accepted_lengths)
 
     def to_dict(self) -> dict:
         d = asdict(self)

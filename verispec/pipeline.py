@@ -16,8 +16,9 @@ import torch
 from verispec.backends.base import Model
 from verispec.engine import Generation, SpeculativeGenerator
 from verispec.metrics import SpecStats
+from verispec.provenance import Piece, ProvenanceText
 from verispec.sampling import SamplingParams
-from verispec.text import TextAssembler, encode_messages
+from verispec.text import encode_messages
 
 if TYPE_CHECKING:
     from verispec.build import DraftSpec, TargetSpec
@@ -40,18 +41,21 @@ class Completion:
 
 
 class TextStream:
-    """Iterate to get text pieces as rounds commit them; `result` holds the Completion so far (final once
-    iteration ended). Closing the stream early (a client went away) leaves the pipeline consistent.
-    A transformers streamer, when given, gets the prompt ids first (as transformers' generate does: a
-    streamer made with skip_prompt=True skips them), then each round's committed ids, and `end()` when
-    generation ends, also when it ends by an error or an early close."""
+    """Iterate to get text pieces as rounds commit them, or iterate `pieces()` to get them as `Piece`s, which
+    also say how many of their tokens were drafted-and-accepted and how many the target produced (and the
+    text per token); the piece counts over a stream add up to the result's token count and accepted count.
+    `result` holds the Completion so far (final once iteration ended). Closing the stream early (a client
+    went away) leaves the pipeline consistent. A transformers streamer, when given, gets the prompt ids first
+    (as transformers' generate does: a streamer made with skip_prompt=True skips them), then each round's
+    committed ids, and `end()` when generation ends, also when it ends by an error or an early close."""
 
-    def __init__(self, generation: Generation, text: TextAssembler, prompt_ids: list[int], streamer=None) -> None:
+    def __init__(self, generation: Generation, text: ProvenanceText, prompt_ids: list[int], streamer=None) -> None:
         self._generation, self._text, self._streamer = generation, text, streamer
         self._prompt_ids = prompt_ids
         self._pieces = self._run()
+        self._texts = (piece.text for piece in self._pieces if piece.text)
 
-    def _run(self) -> Iterator[str]:
+    def _run(self) -> Iterator[Piece]:
         streamer, text = self._streamer, self._text
         try:
             if streamer is not None:
@@ -60,10 +64,10 @@ class TextStream:
                 if streamer is not None:
                     streamer.put(torch.tensor(chunk))  # [m] newly committed ids
                 piece = text.push(chunk)
-                if piece:
+                if piece is not None:
                     yield piece
             rest = text.finish()
-            if rest:
+            if rest is not None:
                 yield rest
         finally:
             self._generation.close()
@@ -72,10 +76,15 @@ class TextStream:
                 streamer.end()
 
     def __iter__(self) -> Iterator[str]:
-        return self._pieces
+        return self._texts
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        return next(self._texts)
+
+    def pieces(self) -> Iterator[Piece]:
+        """The same stream as Pieces (text, accepted, target, spans); the last may have no text (tokens
+        whose text is empty or cut by a stop string). Iterate either this or the stream, not both."""
+        return self._pieces
 
     def close(self) -> None:
         """Stop generating (the committed tokens stay in `result`)."""
@@ -200,7 +209,7 @@ class Pipeline:
         generation_config=None,
         streamer=None,
     ) -> TextStream:
-        """Generate, yielding text pieces as they are committed (see TextStream). Sampling: keywords win
+        """Generate, yielding text pieces as they are committed (see TextStream; `.pieces()` for provenance). Sampling: keywords win
         over `generation_config` (a transformers GenerationConfig), which wins over greedy decoding and
         max_new_tokens DEFAULT_MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before
         them). `k`: this generation's draft tokens per round (None: the pipeline's). `streamer`: a
@@ -210,9 +219,9 @@ class Pipeline:
                                             repetition_penalty=repetition_penalty, seed=seed)
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         prompt_ids = self.encode(prompt)
-        text = TextAssembler(self.tokenizer, stops)
+        text = ProvenanceText(self.tokenizer, stops)
         generation = self.generator.stream(prompt_ids, params, max_new_tokens=max_new, num_draft_tokens=k,
-                                           stop=text.stop_index if stops else None)
+                                           stop=text.assembler.stop_index if stops else None)
         return TextStream(generation, text, prompt_ids, streamer)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Completion:
@@ -252,4 +261,4 @@ def build_pipeline(
     return build(spec, draft_spec, num_draft_tokens)
 
 
-__all__ = ["Completion", "Pipeline", "Prompt", "TextStream", "build_pipeline", "sampling_settings"]
+__all__ = ["Completion", "Piece", "Pipeline", "Prompt", "TextStream", "build_pipeline", "sampling_settings"]

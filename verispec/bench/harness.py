@@ -164,6 +164,8 @@ class Run:
     repeat_tokens_per_second: list[float] = field(default_factory=list)  # each repeat's own tokens/s
     ttft: float | None = None  # seconds to the first token (mean over repeats); None where not measured
     first_tokens: int = 0  # tokens that came with the first one (a speculative round commits several)
+    accepted_lengths: list[int] = field(default_factory=list, repr=False)  # per drafting round: drafts accepted
+    timeline: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (seconds, tokens) per round
     error: str | None = None  # a failed run: why, in one line (it measured nothing)
 
     @property
@@ -195,9 +197,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int | str) -> dict:
     pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
     generation = pipe.generator.stream(ids, params, max_new_tokens=max_new, num_draft_tokens=k)
-    first_tokens = 0
+    first_tokens, timeline, start = 0, [], time.perf_counter()
     for committed in generation:  # a round commits one token or several: count those that came first
         first_tokens = first_tokens or len(committed)
+        timeline.append((time.perf_counter() - start, (timeline[-1][1] if timeline else 0) + len(committed)))
     result = generation.result
     s = result.stats
     return dict(
@@ -206,6 +209,7 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
         drafted_per_position=s.drafted_per_position, draft_seconds=s.draft_seconds,
         target_seconds=s.target_seconds, prefill_seconds=s.prefill_seconds, draft_forwards=s.draft_forwards,
         target_forwards=s.target_forwards, ttft=s.first_token_seconds, first_tokens=first_tokens,
+        accepted_lengths=s.accepted_lengths, timeline=timeline,
     )
 
 
@@ -386,6 +390,8 @@ def _pooled(repeats: list[Run], base: Run | None) -> Run:
         width = max(len(getattr(r, name)) for r in repeats)
         setattr(pooled, name, [sum(getattr(r, name)[j] for r in repeats if j < len(getattr(r, name)))
                                for j in range(width)])
+    pooled.accepted_lengths = [n for r in repeats for n in r.accepted_lengths]
+    pooled.timeline = first.timeline
     pooled.repeats = len(repeats)
     pooled.repeat_tokens_per_second = [r.tokens_per_second for r in repeats]
     if all(r.ttft is not None for r in repeats):

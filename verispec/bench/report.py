@@ -98,6 +98,12 @@ def summarize(runs: list[Run], config: Config) -> dict:
             a = sum(r.accepted_per_position[i] for r in mine if i < len(r.accepted_per_position))
             per_pos.append(a / d if d else 0.0)
         out["acceptance_by_position"] = per_pos
+        # drafts per round, every round counted (k = auto may choose plain rounds: k = 0); the runs' timelines
+        # have one entry per round that committed tokens
+        all_rounds = sum(len(r.timeline) or r.rounds for r in mine)
+        out["mean_k"] = drafted / all_rounds if all_rounds else 0.0
+        lengths = [n for r in mine for n in r.accepted_lengths]
+        out["accepted_length_counts"] = [lengths.count(n) for n in range(max(lengths, default=-1) + 1)]
         d_fwd, t_fwd = sum(r.draft_forwards for r in mine), sum(r.target_forwards for r in mine)
         d_sec, t_sec = sum(r.draft_seconds for r in mine), sum(r.target_seconds for r in mine)
         c = (d_sec / d_fwd) / (t_sec / t_fwd) if d_fwd and t_fwd and t_sec else 0.0
@@ -107,6 +113,16 @@ def summarize(runs: list[Run], config: Config) -> dict:
             bound = leviathan_bound(alpha, config.k, c)
             out.update(alpha=alpha, bound=bound, efficiency=(out.get("speedup_median", 0.0) / bound) if bound else 0.0)
     return out
+
+
+def timeline(runs: list[Run]) -> dict | None:
+    """Tokens committed over time in one generation, per configuration, for one prompt: the first whose plain
+    run recorded its rounds. {"prompt_id", "configs": {name: [[seconds, tokens so far], ...]}}, or None."""
+    prompt_id = next((r.prompt_id for r in runs if r.config == "plain" and r.ok and r.timeline), None)
+    if prompt_id is None:
+        return None
+    return {"prompt_id": prompt_id, "configs": {r.config: [list(point) for point in r.timeline] for r in runs
+                                                if r.prompt_id == prompt_id and r.ok and r.timeline}}
 
 
 def build_report(runs: list[Run], configs: list[Config], meta: dict) -> dict:
@@ -120,10 +136,11 @@ def build_report(runs: list[Run], configs: list[Config], meta: dict) -> dict:
         entry["by_category"] = {cat: summarize([r for r in runs if r.category == cat], config) for cat in categories}
         report["configs"].append(entry)
     report["runs"] = [
-        {k: v for k, v in r.__dict__.items() if k != "token_ids"}
+        {k: v for k, v in r.__dict__.items() if k not in ("token_ids", "accepted_lengths", "timeline")}
         | {"tokens_per_second": r.tokens_per_second, "decode_tokens_per_second": r.decode_tokens_per_second}
         for r in runs
     ]
+    report["timeline"] = timeline(runs)
     report["failures"] = [f"{r.config} {r.prompt_id}: {r.error}" for r in runs if not r.ok]
     return report
 
@@ -165,7 +182,12 @@ def render_table(report: dict):
     return table
 
 
+PLOTS = ("speedup_by_category.png", "accepted_length_histogram.png", "acceptance_by_position.png",
+         "tokens_over_time.png", "speedup_vs_k.png")
+
+
 def write_plots(report: dict, plot_dir: str | Path) -> list[Path]:
+    """Write the PLOTS (PNG) into plot_dir and return their paths. A plot with nothing to show says so."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,46 +196,109 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[Path]:
     plot_dir = Path(plot_dir)
     plot_dir.mkdir(parents=True, exist_ok=True)
     others = [e for e in report["configs"] if e["kind"] != "plain"]
-    cats = report["categories"]
+    spec = [e for e in others if e["kind"] == "spec"]
     paths = []
 
     def save(fig, ax, title: str, ylabel: str, name: str) -> None:
         ax.set_title(title)
         ax.set_ylabel(ylabel)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax.transAxes)
         fig.tight_layout()
         paths.append(plot_dir / name)
         fig.savefig(paths[-1])
         plt.close(fig)
 
+    _speedup_by_category(plt, save, others, report["categories"])
+    _accepted_length_histogram(plt, save, spec)
+    _acceptance_by_position(plt, save, others)
+    _tokens_over_time(plt, save, report.get("timeline"))
+    _speedup_vs_k(plt, save, spec)
+    return paths
+
+
+def _speedup_by_category(plt, save, others: list[dict], cats: list[str]) -> None:
+    """Median speedup per category and configuration, error bars from p25 to p75 over the prompts."""
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * max(1, len(others))), 4))
     width = 0.8 / max(1, len(others))
     for j, e in enumerate(others):
-        ys = [e["by_category"][c].get("speedup_median", 0.0) for c in cats]
-        ax.bar([i + j * width for i in range(len(cats))], ys, width, label=e["name"])
+        stats = [e["by_category"][c] for c in cats]
+        ys = [s.get("speedup_median", 0.0) for s in stats]
+        low = [y - s.get("speedup_p25", y) for y, s in zip(ys, stats)]
+        high = [s.get("speedup_p75", y) - y for y, s in zip(ys, stats)]
+        ax.bar([i + j * width for i in range(len(cats))], ys, width, yerr=[low, high], capsize=3, label=e["name"])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(others) - 1) / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
-    save(fig, ax, "Speedup by category", "speedup over plain decoding (median)", "speedup_by_category.png")
+    save(fig, ax, "Speedup by category (bars: median; whiskers: p25-p75 over prompts)",
+         "speedup over plain decoding", PLOTS[0])
 
+
+def _accepted_length_histogram(plt, save, spec: list[dict]) -> None:
+    """Share of drafting rounds that accepted n drafts, per configuration."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(1, len(spec))
+    for j, e in enumerate(spec):
+        counts = e["overall"].get("accepted_length_counts") or []
+        total = sum(counts)
+        if total:
+            offset = (j - (len(spec) - 1) / 2) * width  # each group centred on its n
+            ax.bar([n + offset for n in range(len(counts))], [c / total for c in counts], width, label=e["name"])
+    ax.set_xlabel("drafts accepted in a round")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    save(fig, ax, "Accepted length per round", "share of rounds", PLOTS[1])
+
+
+def _acceptance_by_position(plt, save, others: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for e in others:
         per_pos = e["overall"].get("acceptance_by_position") or []
         if per_pos:
             ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=e["name"])
     ax.set_xlabel("draft position")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylim(0, 1.02)
-    save(fig, ax, "Acceptance by draft position", "P(accepted | reached)", "acceptance_by_position.png")
+    save(fig, ax, "Acceptance by draft position", "P(accepted | reached)", PLOTS[2])
 
+
+def _tokens_over_time(plt, save, timeline: dict | None) -> None:
+    """Tokens committed against time in one generation per configuration: the slope is tokens/s; a
+    speculative round shows as a step of several tokens."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for drafter in dict.fromkeys(e["drafter"] for e in others if e["kind"] == "spec"):
-        spec = sorted((e for e in others if e["kind"] == "spec" and e["drafter"] == drafter and isinstance(e["k"], int)),
-                      key=lambda e: e["k"])
-        ks = [e["k"] for e in spec]
-        ax.plot(ks, [e["overall"].get("speedup_median", 0.0) for e in spec], marker="o", label=f"{drafter} measured")
-        if drafter == "model":
-            ax.plot(ks, [e["overall"].get("bound", 0.0) for e in spec], marker="x", linestyle="--",
-                    label="Leviathan bound")
+    title = "Tokens over time"
+    if timeline:
+        title += f" ({timeline['prompt_id']})"
+        for name, points in timeline["configs"].items():
+            xs, ys = [0.0] + [t for t, _ in points], [0] + [n for _, n in points]
+            rate = ys[-1] / xs[-1] if xs[-1] > 0 else 0.0
+            ax.step(xs, ys, where="post", label=f"{name} ({rate:.1f} tok/s)",
+                    linestyle="--" if name == "plain" else "-")
+    ax.set_xlabel("seconds since the generation started")
+    save(fig, ax, title, "tokens generated", PLOTS[3])
+
+
+def _speedup_vs_k(plt, save, spec: list[dict]) -> None:
+    """Median speedup against the mean number of drafts per round, per drafter: fixed k joined by a line
+    (with the Leviathan bound for the model drafter), k = auto a star at the mean k it chose."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for drafter in dict.fromkeys(e["drafter"] for e in spec):
+        mine = [e for e in spec if e["drafter"] == drafter and "speedup_median" in e["overall"]]
+        fixed = sorted((e for e in mine if isinstance(e["k"], int)), key=lambda e: e["k"])
+        color = None
+        if fixed:
+            line, = ax.plot([e["k"] for e in fixed], [e["overall"]["speedup_median"] for e in fixed], marker="o",
+                            label=f"{drafter}, fixed k")
+            color = line.get_color()
+            bounded = [e for e in fixed if "bound" in e["overall"]]
+            if drafter == "model" and bounded:
+                ax.plot([e["k"] for e in bounded], [e["overall"]["bound"] for e in bounded], marker="x",
+                        linestyle="--", label="Leviathan bound")
+        for e in mine:
+            if e["k"] == "auto":
+                ax.plot([e["overall"].get("mean_k", 0.0)], [e["overall"]["speedup_median"]], marker="*",
+                        markersize=14, linestyle="none", color=color, label=f"{drafter}, k=auto (at its mean k)")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("k (draft tokens per round)")
-    save(fig, ax, "Speedup vs k", "speedup over plain decoding", "speedup_vs_k.png")
-    return paths
+    ax.set_xlabel("drafts per round (k = auto: mean over its rounds, plain ones as 0)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    save(fig, ax, "Speedup vs k", "speedup over plain decoding (median)", PLOTS[4])

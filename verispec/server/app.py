@@ -1,4 +1,20 @@
-"""The FastAPI application: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+"""The FastAPI application: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, and a chat
+page at / (verispec/server/static: one HTML file with its script and style, nothing fetched from elsewhere).
+
+Streamed chunks that carry generated tokens (finish_reason null) carry an extension field with their tokens'
+provenance (verispec.provenance):
+
+    "verispec": {"accepted": 2, "target": 1, "spans": [["Hel", "draft"], ["lo", "draft"], [" world", "target"]]}
+
+`accepted`: how many of the chunk's tokens were drafted and accepted; `target`: how many the target produced
+(recovered or bonus tokens). `spans`: one [text, "draft" | "target"] per token, in order; their texts
+concatenate to the chunk's content (chat: delta.content; completions: text). A token whose text is empty
+(a special token) or cut (one completing a stop string) has a span with empty or shortened text, so a chunk
+may carry tokens and no text. Over a stream, accepted + target adds up to usage.completion_tokens and
+accepted to the final stats' accepted. The final chunk (finish_reason set) carries the generation's stats
+instead: {"acceptance_rate", "mean_accepted_length", "drafted", "accepted", "rounds", "tokens_per_second"},
+as does the usage chunk when stream_options.include_usage asks for one. /v1/models lists, per model, the
+drafters a request may ask for ("drafter": the server's own, or "none" for plain decoding) and the default k.
 
 Every refusal is a 4xx in OpenAI's error format; every request whose client goes away (queued, running,
 streaming or not) is cancelled within one round. The request guard (verispec.server.guard) checks
@@ -14,16 +30,18 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.engine import GenerationResult
 from verispec.pipeline import Pipeline
+from verispec.provenance import Piece
 from verispec.sampling import SamplingParams
 from verispec.server.guard import Guard, GuardSettings
 from verispec.server.metrics import Metrics
@@ -38,6 +56,11 @@ from verispec.server.worker import Job, QueueFull, ShuttingDown, Worker
 from verispec.text import encode_messages
 
 RETRY_AFTER_SECONDS = 1
+STATIC = Path(__file__).parent / "static"
+PAGE_FILES = {"": "index.html", "static/chat.js": "chat.js", "static/chat.css": "chat.css"}
+# the page runs its own script and style and talks to this server only
+PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src data:; "
+               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
@@ -302,7 +325,8 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
                       include_usage: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
+        def chunk(piece: Piece | None, finish: str | None = None, first: bool = False) -> str:
+            delta = None if piece is None else piece.text
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta is not None else {})
                 choice = {"index": 0, "delta": d, "finish_reason": finish}
@@ -311,6 +335,9 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
             body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
+            if piece is not None:
+                body["verispec"] = {"accepted": piece.accepted, "target": piece.target,
+                                    "spans": [list(span) for span in piece.spans]}
             return f"data: {json.dumps(body)}\n\n"
 
         metrics.in_progress.inc()
@@ -375,8 +402,21 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "verispec"}
-                                           for name in settings.model_names]}
+        offered = {"drafters": [pipeline.drafter, "none"] if speculative else ["none"],
+                   "num_draft_tokens": pipeline.generator.num_draft_tokens if speculative else 0}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "verispec",
+                                            "verispec": offered} for name in settings.model_names]}
+
+    @app.get("/")
+    @app.get("/static/{name}")
+    async def page(request: Request, name: str = ""):
+        """The chat page and its script and style; no API key needed to load them (the page asks for one)."""
+        path = request.url.path.lstrip("/")
+        if path not in PAGE_FILES:
+            raise StarletteHTTPException(404, "Not Found")
+        return FileResponse(STATIC / PAGE_FILES[path], headers={"Content-Security-Policy": PAGE_POLICY,
+                                                                "X-Content-Type-Options": "nosniff",
+                                                                "Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():

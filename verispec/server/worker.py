@@ -1,7 +1,7 @@
 """One thread owns the model pair and runs generations one at a time from a bounded queue.
 
-The asyncio side submits a Job and reads its events (text deltas, then done or error) from an asyncio
-queue fed thread-safely. A cancelled job (client gone, shutdown) leaves the queue at once if it is still
+The asyncio side submits a Job and reads its events (deltas: `verispec.provenance.Piece`s, text with its
+tokens' provenance; then done or error) from an asyncio queue fed thread-safely. A cancelled job (client gone, shutdown) leaves the queue at once if it is still
 waiting, and stops at the next round boundary if it is running, which leaves the engine's caches consistent.
 If the thread itself dies, every job it held or would have run gets an error event: nobody waits forever.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from verispec.engine import GenerationResult
 from verispec.pipeline import Pipeline
 from verispec.sampling import SamplingParams
-from verispec.text import TextAssembler
+from verispec.provenance import ProvenanceText
 
 
 class QueueFull(Exception):
@@ -173,9 +173,9 @@ class Worker:
             return
         started = time.perf_counter()
         metrics.queue_time.observe(started - job.submitted)
-        text = TextAssembler(self.pipeline.tokenizer, job.stop)
+        text = ProvenanceText(self.pipeline.tokenizer, job.stop)
         generation = engine.stream(job.prompt_ids, job.params, job.max_tokens, job.num_draft_tokens,
-                                   stop=text.stop_index if job.stop else None,
+                                   stop=text.assembler.stop_index if job.stop else None,
                                    stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos,
                                    logprobs=job.logprobs)
         first = None
@@ -191,7 +191,7 @@ class Worker:
                     metrics.time_to_first_token.observe(first - job.submitted)
                 metrics.acceptance_length.observe(len(chunk))
                 piece = text.push(chunk)
-                if piece:
+                if piece is not None:
                     job.emit("delta", piece)
         finally:
             generation.close()
@@ -205,7 +205,7 @@ class Worker:
             job.emit("cancelled")
             return
         rest = text.finish()
-        if rest:
+        if rest is not None:
             job.emit("delta", rest)
         job.text = text.text
         end = time.perf_counter()
