@@ -69,9 +69,10 @@ def test_each_field_is_checked_when_the_spec_is_made(make, field, words):
 
 
 def test_registries_name_every_backend_and_drafter():
-    assert set(BACKENDS) == {"hf", "llamacpp"} and set(DRAFTERS) == {"model", "ngram", "hybrid"}
+    assert set(BACKENDS) == {"hf", "llamacpp"}
+    assert set(DRAFTERS) == {"model", "ngram", "suffix", "hybrid", "hybrid-suffix"}
     assert BACKENDS["hf"].draft_options and not BACKENDS["llamacpp"].draft_options
-    assert {name for name, d in DRAFTERS.items() if d.needs_model} == {"model", "hybrid"}
+    assert {name for name, d in DRAFTERS.items() if d.needs_model} == {"model", "hybrid", "hybrid-suffix"}
     proposer = DRAFTERS["hybrid"].make(object(), 64)
     assert type(proposer).__name__ == "HybridProposer" and proposer.model.vocab_size == 64
     assert type(DRAFTERS["ngram"].make(None, 64)).__name__ == "NgramProposer"
@@ -138,7 +139,7 @@ def test_resolution_accepts_and_decides_auto():
     _, draft, _ = resolve(cpu, DraftSpec("model", "d", backend="llamacpp"))
     assert (draft.backend, draft.quant) == ("llamacpp", "none")
     target, draft, _ = resolve(cpu, DraftSpec("ngram"))
-    assert target.backend == "hf" and draft.model is None
+    assert target.backend == "hf" and draft.model is None  # auto: 't' has no GGUF
     assert resolve(cpu, None)[1] is None
 
 

@@ -373,10 +373,12 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
         prompt_ids = await _tokenize(_completion_prompt, req)
         return await _serve(request, req, _job(req, prompt_ids), chat=False)
 
+    setup = pipeline.setup()  # an extension field: what runs (backend, drafter, k) and why
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "verispec"}
-                                           for name in settings.model_names]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "verispec",
+                                            "verispec": setup} for name in settings.model_names]}
 
     @app.get("/health")
     async def health():
