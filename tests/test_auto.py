@@ -140,6 +140,8 @@ def test_the_table_is_applied_and_explicit_settings_win(pair_dirs, monkeypatch):
     assert (named.drafter, named.k) == ("suffix", 4) and "drafter" not in named.reason
     with_model = build(t, DraftSpec(model=draft), store=store)  # a draft named: the model drafter uses it
     assert with_model.drafter == "model" and with_model.draft_model is not None and with_model.k == 4
+    monkeypatch.setitem(DEFAULTS, "hf", Defaults("model", 3))
+    assert build(t, DraftSpec(model=draft), store=store).k == 3  # the backend's default pair
 
 
 @pytest.mark.parametrize("backend", sorted(DEFAULTS))

@@ -380,8 +380,9 @@ DEFAULTS: dict[str, Defaults] = {
 
 def default_drafter(backend: str, has_model: bool) -> str:
     """The drafter for DraftSpec's 'auto' on a target backend: DEFAULTS' choice, unless a draft model is given
-    and that drafter takes none (then 'model': a draft model the user names is used)."""
-    drafter = DEFAULTS[backend].drafter
+    and that drafter takes none (then 'model': a draft model the user names is used). A backend without an
+    entry drafts with a draft model."""
+    drafter = DEFAULTS[backend].drafter if backend in DEFAULTS else "model"
     if has_model and not DRAFTERS[drafter].needs_model:
         return "model"
     return drafter
@@ -593,7 +594,8 @@ def _forward_name(model: Model | None, backend: str | None) -> str:
 def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | None = None, *, k_max: int = 8,
           store: ModelStore | None = None) -> Pipeline:
     """A pipeline for `target` drafted by `draft` (None: plain decoding) with k draft tokens per round (an
-    integer >= 0, 'auto', or None: DEFAULTS' k when the drafter is DEFAULTS' too, else default_k). Models come
+    integer >= 0, 'auto', or None: DEFAULTS' k for the backend's default drafter with any draft model on the
+    target's backend, else default_k). Models come
     from `store` (a fresh one when None): pipelines built on one store share the models their specs have in
     common (see ModelStore for the reset rule). Refuses an incompatible pair (different vocabularies) before
     loading any weights. Generation ends at the configured EOS ids and at every token llama.cpp treats as
@@ -603,13 +605,15 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     backend, reason = resolve_target_backend(target)
     default_pair = draft is not None and draft.drafter == "auto"
     target, draft, device = resolve(replace(target, backend=backend), draft)
-    if k is None and default_pair and draft.drafter == DEFAULTS[target.backend].drafter:
-        k = DEFAULTS[target.backend].k
+    has_model = draft is not None and draft.model is not None
+    draft_backend = draft.backend if has_model else None
+    defaults = DEFAULTS.get(target.backend)
+    if (k is None and default_pair and defaults is not None and draft.drafter == defaults.drafter
+            and draft_backend in (None, target.backend)):  # the backend's own default pair
+        k = defaults.k
         name = BACKEND_NAMES.get(target.backend, target.backend)
         reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
     store = store if store is not None else ModelStore()
-    has_model = draft is not None and draft.model is not None
-    draft_backend = draft.backend if has_model else None
     for name in dict.fromkeys((target.backend, draft_backend)):
         if name is not None:
             BACKENDS[name].available()  # say how to install it before loading anything
