@@ -142,7 +142,7 @@ def test_resolution_accepts_and_decides_auto():
     _, draft, _ = resolve(cpu, DraftSpec("model", "d", backend="llamacpp"))
     assert (draft.backend, draft.quant) == ("llamacpp", "none")
     target, draft, _ = resolve(cpu, DraftSpec("ngram"))
-    assert target.backend == "hf" and draft.model is None
+    assert target.backend == "hf" and draft.model is None  # auto: 't' has no GGUF
     assert resolve(cpu, None)[1] is None
 
 

@@ -144,7 +144,7 @@ def test_repl_ctrl_c_stops_answer_and_continues():
     if installed("smollm2-135m-instruct") is None:
         pytest.fail("smollm2-135m-instruct not installed; run `make setup`")
     m = "smollm2-135m-instruct"
-    child = _spawn(["--target", m, "--draft", m, "--max-new-tokens", "400"], timeout=300)
+    child = _spawn(["--target", m, "--draft", m, "--backend", "hf", "--max-new-tokens", "400"], timeout=300)
     child.expect(">>> ")
     child.sendline("Write a very long story about a dragon who learns to code.")
     child.expect(r"\w+ \w+ \w+")  # the answer is streaming

@@ -29,7 +29,8 @@ def test_smollm2_chat_answer(capsys):
     _need("smollm2-135m-instruct")
     m = "smollm2-135m-instruct"
     common = ["--target", m, "--draft", m, "--chat", "--prompt", "What is the capital of France?",
-              "--max-new-tokens", "24", "--dtype", "fp32", "--draft-backend", "hf", "--draft-quant", "none"]
+              "--max-new-tokens", "24", "--backend", "hf", "--dtype", "fp32", "--draft-backend", "hf",
+              "--draft-quant", "none"]
     spec = _generate(capsys, *common)
     plain = _generate(capsys, *common, "--no-speculation")
     assert "Paris" in spec["text"]
@@ -42,7 +43,7 @@ def test_smollm2_chat_answer(capsys):
 def test_default_pair_greedy_identical_fp32(capsys):
     """The same token_ids with and without speculation, fp32, one chat prompt."""
     _need(DEFAULT_TARGET, DEFAULT_DRAFT)
-    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--dtype", "fp32"]
+    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--backend", "hf", "--dtype", "fp32"]
     spec = _generate(capsys, *common, "--num-draft-tokens", "4")
     plain = _generate(capsys, *common, "--no-speculation")
     assert spec["token_ids"] == plain["token_ids"]

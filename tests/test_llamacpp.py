@@ -301,7 +301,7 @@ def test_cli_generate_llamacpp(capsys):
     assert plain["num_draft_tokens"] == 0 and plain["stats"]["target_forwards"] == len(plain["token_ids"])
     assert spec["backend"] == "llamacpp" and spec["draft_backend"] == "llamacpp"
     assert spec["num_draft_tokens"] == "auto"  # a fixed k can be slower than plain decoding on llama.cpp
-    assert main([*common, "--draft-backend", "llamacpp", "--dtype", "fp32"]) == 0  # mixed
+    assert main([*common, "--backend", "hf", "--draft-backend", "llamacpp", "--dtype", "fp32"]) == 0  # mixed
     mixed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert mixed["backend"] == "hf" and mixed["draft_backend"] == "llamacpp" and "Paris" in mixed["text"]
     assert mixed["num_draft_tokens"] == "auto"

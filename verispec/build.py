@@ -3,14 +3,16 @@
 A pipeline is a target model, an optional drafter and k (draft tokens per round). `TargetSpec` and
 `DraftSpec` say what to load and how; they are frozen and check each field once, when made. Every rule
 about how fields combine lives in `check_specs`. Each axis has one registry at this edge: `BACKENDS`
-(backend name -> loader) and `DRAFTERS` (drafter name -> proposer factory). `resolve` turns the specs'
-"auto" choices into concrete ones (backend, draft quantisation, device), `ModelStore` loads each model
-once however many pipelines use it, and `build` puts one pipeline together. `load` is the public entry
-point over all of it.
+(backend name -> loader) and `DRAFTERS` (drafter name -> proposer factory). `choose_backend` picks the
+target's backend for a machine, `DEFAULTS` the drafter and k each backend gets when none is asked for.
+`resolve` turns the specs' "auto" choices into concrete ones (backend, drafter, draft quantisation,
+device), `ModelStore` loads each model once however many pipelines use it (and warms it up), and `build`
+puts one pipeline together. `load` is the public entry point over all of it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from collections.abc import Callable
@@ -27,12 +29,14 @@ from verispec.loading import (
     DTYPES,
     check_same_vocabulary,
     configured_eos_ids,
+    eog_token_ids,
     eos_token_ids,
     load_model,
     load_tokenizer,
     resolve_device,
     resolve_gguf,
 )
+from verispec.loading import resolve as resolve_source
 from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
 from verispec.pipeline import Pipeline
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
@@ -40,6 +44,7 @@ from verispec.proposers.base import Proposer
 from verispec.quant import QUANT_MODES, quantize_model
 from verispec.vocab import frequent_tokens, restrict_head
 
+BACKEND_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp"}
 DRAFT_FORWARDS = ("auto", "lean", "transformers")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -89,13 +94,14 @@ class TargetSpec:
 
     `model`: a known name, a Hugging Face directory, a .gguf file, a hub id, or a loaded transformers model
     (then `tokenizer` is required, and the model runs where it is, in its own dtype). `backend`: a name in
-    BACKENDS. `device`: auto (CUDA when available), cpu, cuda or cuda:N. `dtype`: bf16, fp16 or fp32 for a
-    model verispec loads (None: bf16). `ctx_size`: llama.cpp's context in tokens (None: the model's trained
-    context, bounded by memory, see verispec.backends.llamacpp.context_size); transformers models ignore it.
+    BACKENDS, or auto (the fastest for this machine and target, see choose_backend). `device`: auto (CUDA
+    when available), cpu, cuda or cuda:N. `dtype`: bf16, fp16 or fp32 for a model verispec loads (None:
+    bf16). `ctx_size`: llama.cpp's context in tokens (None: the model's trained context, bounded by memory,
+    see verispec.backends.llamacpp.context_size); transformers models ignore it.
     """
 
     model: Any
-    backend: str = "hf"
+    backend: str = "auto"
     device: str = "auto"
     dtype: str | None = None
     ctx_size: int | None = None
@@ -103,8 +109,8 @@ class TargetSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", _check_reference(self.model, "target.model", optional=False))
-        if self.backend not in BACKENDS:
-            raise SpecError(f"unknown backend '{self.backend}' (use {', '.join(BACKENDS)})", "target.backend")
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise SpecError(f"unknown backend '{self.backend}' (use auto, {', '.join(BACKENDS)})", "target.backend")
         _check_device(self.device, "target.device")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise SpecError(f"unknown dtype '{self.dtype}' (use {', '.join(DTYPES)})", "target.dtype")
@@ -120,15 +126,16 @@ class TargetSpec:
 class DraftSpec:
     """How drafts are made. `drafter`: a name in DRAFTERS (model: a draft LM; ngram: prompt lookup, no model;
     suffix: suffix-tree lookup over the sequence and this pipeline's earlier outputs, no model; hybrid /
-    hybrid-suffix: n-gram / suffix lookup when it matches confidently, the draft LM otherwise). `model`: the draft LM, in
-    the forms TargetSpec takes (it must share the target's tokenizer). `backend`: a name in BACKENDS, or auto
-    (the target's). `quant`: weight-only quantisation of a transformers draft: none, int8, int4 or auto (see
+    hybrid-suffix: n-gram / suffix lookup when it matches confidently, the draft LM otherwise), or auto (the
+    target backend's default in DEFAULTS; 'model' when that takes no draft model and one is given). `model`:
+    the draft LM, in the forms TargetSpec takes (it must share the target's tokenizer). `backend`: a name in
+    BACKENDS, or auto (the target's). `quant`: weight-only quantisation of a transformers draft: none, int8, int4 or auto (see
     choose_draft_quant). `vocab` N > 0: a transformers draft scores only ~N frequent tokens
     (verispec.vocab). `forward`: a transformers draft runs on verispec's lean decode path or on transformers'
     own forward (auto: lean where the architecture allows). `ctx_size`: as TargetSpec's, for a llama.cpp
     draft. None of these change the output distribution, only the speed."""
 
-    drafter: str = "model"
+    drafter: str = "auto"
     model: Any = None
     backend: str = "auto"
     quant: str = "auto"
@@ -137,8 +144,8 @@ class DraftSpec:
     ctx_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.drafter not in DRAFTERS:
-            raise SpecError(f"unknown drafter '{self.drafter}' (use {', '.join(DRAFTERS)})", "draft.drafter")
+        if self.drafter != "auto" and self.drafter not in DRAFTERS:
+            raise SpecError(f"unknown drafter '{self.drafter}' (use auto, {', '.join(DRAFTERS)})", "draft.drafter")
         object.__setattr__(self, "model", _check_reference(self.model, "draft.model", optional=True))
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise SpecError(f"unknown draft backend '{self.backend}' (use auto, {', '.join(BACKENDS)})",
@@ -223,7 +230,7 @@ def _load_llamacpp(request: LoadRequest) -> tuple[Model, list[int]]:
     from verispec.backends.llamacpp import LlamaCppModel
 
     model = LlamaCppModel(resolve_gguf(request.model), request.device, n_ctx=request.ctx_size)
-    return model, [model.llm.token_eos(), *configured_eos_ids(request.model)]
+    return model, [model.llm.token_eos(), *configured_eos_ids(request.model)]  # build adds the tokenizer's EOG ids
 
 
 def _llama_cpp_available() -> object:
@@ -261,13 +268,79 @@ DRAFTERS: dict[str, Drafter] = {
 # -- resolution and the combination rules -----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What choosing a target's backend depends on. `cuda`: a CUDA device is available; `llama_cpp`:
+    llama-cpp-python is importable; `gguf`: the target has a GGUF file (a known model's, a .gguf path, a
+    directory holding one); `gguf_only`: that file is all there is (no Hugging Face weights beside it);
+    `loaded`: the target is a loaded transformers model; `device`: the device asked for (auto, cpu, cuda[:N])."""
+
+    cuda: bool
+    llama_cpp: bool
+    gguf: bool
+    device: str = "auto"
+    gguf_only: bool = False
+    loaded: bool = False
+
+
+def choose_backend(machine: Machine) -> tuple[str, str]:
+    """(backend, one-line reason): the backend that decodes the target fastest with the same weights.
+    llama.cpp on the CPU when llama-cpp-python is installed and the target has a GGUF: its quantized kernels
+    decode a token several times faster there than transformers' bf16 forward. Transformers on CUDA (the
+    llama.cpp build that llama-cpp-python installs runs on the CPU; a CUDA build is not detected, so CUDA
+    always gets transformers), for a loaded transformers model, and on a CPU without llama.cpp or a GGUF.
+    A target that is only a GGUF file needs llama.cpp on the CPU: without it this raises a SpecError
+    naming the fixes (install llama-cpp-python, or ask for 'hf', which dequantizes the file)."""
+    if machine.loaded:
+        return "hf", "transformers: the target is a loaded transformers model"
+    if machine.device.startswith("cuda") or (machine.device == "auto" and machine.cuda):
+        return "hf", "transformers: a CUDA device (llama.cpp here runs on the CPU)"
+    if machine.gguf and machine.llama_cpp:
+        return "llamacpp", "llama.cpp: CPU, llama-cpp-python installed, the target has a GGUF"
+    if machine.gguf_only:
+        from verispec.backends.llamacpp import INSTALL_HINT
+
+        raise SpecError(f"the target is a GGUF file, which runs on llama.cpp on the CPU, but llama-cpp-python is "
+                        f"not installed ({INSTALL_HINT}); or ask for the 'hf' backend, which dequantizes the file",
+                        "target.backend", (("target.backend", "hf"),), runtime=True)
+    if machine.gguf:
+        return "hf", "transformers: CPU, llama-cpp-python is not installed"
+    return "hf", "transformers: the target has no GGUF file"
+
+
+def describe_machine(target: TargetSpec) -> Machine:
+    """This machine, and what the target reference points at, as choose_backend needs them."""
+    cuda = torch.cuda.is_available()
+    llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    if is_loaded(target.model):
+        return Machine(cuda, llama_cpp, gguf=False, device=target.device, loaded=True)
+    try:
+        gguf = os.path.isfile(resolve_gguf(target.model))
+    except ModelError:
+        gguf = False
+    try:
+        gguf_only = resolve_source(target.model).gguf_file is not None
+    except ModelError:
+        gguf_only = False
+    return Machine(cuda, llama_cpp, gguf, target.device, gguf_only)
+
+
+def resolve_target_backend(target: TargetSpec) -> tuple[str, str]:
+    """(the target's backend, why): as asked, or choose_backend's for 'auto'."""
+    if target.backend != "auto":
+        return target.backend, f"{BACKEND_NAMES.get(target.backend, target.backend)}: asked for"
+    return choose_backend(describe_machine(target))
+
+
 def resolve_backends(target: TargetSpec, draft: DraftSpec | None) -> tuple[str, str | None]:
-    """The backend each model runs on: the target's as asked; the draft's as asked, or the target's for
-    'auto' (a transformers target drafts with a transformers draft, int4 on the CPU: measured faster than
-    the same draft on llama.cpp, see choose_draft_quant). None: no draft model."""
+    """The backend each model runs on: the target's as asked, or resolve_target_backend's for 'auto'; the
+    draft's as asked, or the target's for 'auto' (a transformers target drafts with a transformers draft,
+    int4 on the CPU: measured faster than the same draft on llama.cpp, see choose_draft_quant). None: no
+    draft model."""
+    backend = target.backend if target.backend != "auto" else resolve_target_backend(target)[0]
     if draft is None or draft.model is None:
-        return target.backend, None
-    return target.backend, target.backend if draft.backend == "auto" else draft.backend
+        return backend, None
+    return backend, backend if draft.backend == "auto" else draft.backend
 
 
 def choose_draft_quant(draft_quant: str, draft_backend: str, device: torch.device) -> str:
@@ -290,13 +363,38 @@ def default_k(target_backend: str, draft_backend: str | None) -> int | str:
     return "auto" if "llamacpp" in (target_backend, draft_backend) else 4
 
 
+@dataclass(frozen=True)
+class Defaults:
+    """The drafter and k a target backend gets when the user names neither."""
+
+    drafter: str
+    k: int | str
+
+
+# per target backend; a drafter that takes no draft model (ngram, suffix) loads none, which shortens the load
+DEFAULTS: dict[str, Defaults] = {
+    "hf": Defaults("model", 4),
+    "llamacpp": Defaults("suffix", "auto"),
+}
+
+
+def default_drafter(backend: str, has_model: bool) -> str:
+    """The drafter for DraftSpec's 'auto' on a target backend: DEFAULTS' choice, unless a draft model is given
+    and that drafter takes none (then 'model': a draft model the user names is used). A backend without an
+    entry drafts with a draft model."""
+    drafter = DEFAULTS[backend].drafter if backend in DEFAULTS else "model"
+    if has_model and not DRAFTERS[drafter].needs_model:
+        return "model"
+    return drafter
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
 def resolve(target: TargetSpec, draft: DraftSpec | None) -> tuple[TargetSpec, DraftSpec | None, torch.device]:
-    """Specs with every 'auto' decided (backends, draft quantisation, device), checked by check_specs, and
-    the device the pipeline runs on."""
+    """Specs with every 'auto' decided (backends, drafter, draft quantisation, device), checked by
+    check_specs, and the device the pipeline runs on."""
     backend, draft_backend = resolve_backends(target, draft)
     target = replace(target, backend=backend)
     if is_loaded(target.model):
@@ -306,6 +404,8 @@ def resolve(target: TargetSpec, draft: DraftSpec | None) -> tuple[TargetSpec, Dr
             device = resolve_device(target.device)
         except ModelError as exc:  # e.g. CUDA asked for where there is none
             raise SpecError(str(exc), "target.device") from None
+    if draft is not None and draft.drafter == "auto":
+        draft = replace(draft, drafter=default_drafter(backend, draft.model is not None))
     if draft is not None and draft.model is not None:
         # a loaded draft is used as given: quantisation would rebuild its layers in place
         quant = "none" if draft.quant == "auto" and is_loaded(draft.model) else draft.quant
@@ -366,22 +466,29 @@ def check_specs(target: TargetSpec, draft: DraftSpec | None, device: torch.devic
 
 
 def default_refs(target: str | None, draft: str | None, drafter: str | None = "model",
-                 pull_missing: bool = False) -> tuple[str, str | None]:
+                 pull_missing: bool = False, backend: str = "auto", device: str = "auto") -> tuple[str, str | None]:
     """Fill in the default pair (target None: the default target, and the default draft when none is given
     and the drafter drafts with a model); make sure the default models are installed (pull them when
-    `pull_missing`). `drafter` None: plain decoding, no draft."""
-    uses_model = drafter in DRAFTERS and DRAFTERS[drafter].needs_model
-    if target is None:
+    `pull_missing`). `drafter` None: plain decoding, no draft; 'auto': the default drafter of the target's
+    backend (`backend` and `device` as TargetSpec takes them), so that a free default drafter loads no draft."""
+    default_pair = target is None
+    if default_pair:
         target = DEFAULT_TARGET
-        if draft is None and uses_model:
-            draft = DEFAULT_DRAFT
-    for ref in (target, draft):
-        if isinstance(ref, str) and ref in (DEFAULT_TARGET, DEFAULT_DRAFT) and installed(ref) is None:
-            if not pull_missing:
-                raise SpecError(f"the default model '{ref}' is not installed: run `verispec models pull`",
-                                "target.model" if ref == target else "draft.model", (("pull", True),), runtime=True)
-            pull(ref)
+    _ensure_installed(target, "target.model", pull_missing)  # before its backend is chosen: it looks at the files
+    if drafter == "auto":
+        drafter = default_drafter(resolve_target_backend(TargetSpec(target, backend, device))[0], draft is not None)
+    if default_pair and draft is None and drafter in DRAFTERS and DRAFTERS[drafter].needs_model:
+        draft = DEFAULT_DRAFT
+    _ensure_installed(draft, "draft.model", pull_missing)
     return target, draft
+
+
+def _ensure_installed(ref: str | None, field_name: str, pull_missing: bool) -> None:
+    if isinstance(ref, str) and ref in (DEFAULT_TARGET, DEFAULT_DRAFT) and installed(ref) is None:
+        if not pull_missing:
+            raise SpecError(f"the default model '{ref}' is not installed: run `verispec models pull`", field_name,
+                            (("pull", True),), runtime=True)
+        pull(ref)
 
 
 # -- loading each model once --------------------------------------------------------------------------
@@ -389,6 +496,22 @@ def default_refs(target: str | None, draft: str | None, drafter: str | None = "m
 
 def _model_key(model: object) -> object:
     return ("loaded", id(model)) if is_loaded(model) else model
+
+
+WARM_UP_TOKENS = 9  # the widest verify pass at the default k_max (8 drafts + 1)
+
+
+def warm_up(model: Model) -> None:
+    """Run a model's first forwards now, then empty its cache. A first forward can cost several later ones
+    (weights paged in, buffers allocated, kernels chosen per batch shape), and the cost-aware k policy learns
+    the costs of drafting and verifying from the first rounds: one slow first measurement can keep a draft
+    off for a whole process. One pass over a verify-sized batch and one single-token step; then `reset`, so
+    the outputs are those of a model never run (the cache is all a Model carries between forwards)."""
+    n = min(WARM_UP_TOKENS, model.max_length)
+    tokens = torch.zeros(n, dtype=torch.long, device=model.device)  # token 0: in every vocabulary
+    model.forward(tokens)
+    model.forward(tokens[:1], last_only=True)
+    model.reset()
 
 
 class ModelStore:
@@ -403,7 +526,7 @@ class ModelStore:
 
     def __init__(self) -> None:
         self._items: dict[tuple, object] = {}
-        self.seconds: dict[tuple, float] = {}  # how long each entry took to load
+        self.seconds: dict[tuple, float] = {}  # how long each entry took to load (and warm up)
 
     def _get(self, key: tuple, make: Callable[[], object]) -> object:
         if key not in self._items:
@@ -416,23 +539,34 @@ class ModelStore:
         """The tokenizer of a model reference."""
         return self._get(("tokenizer", ref), lambda: load_tokenizer(ref))
 
+    def end_tokens(self, ref: str) -> list[int]:
+        """The ids that end generation for a model reference's tokenizer (see verispec.loading.eog_token_ids)."""
+        return self._get(("end tokens", ref), lambda: eog_token_ids(self.tokenizer(ref)))
+
     def target(self, spec: TargetSpec, dtype: torch.dtype) -> tuple[Model, list[int]]:
-        """(Model, EOS ids) for a resolved target spec."""
+        """(Model, EOS ids) for a resolved target spec, warmed up."""
         device = torch.device(spec.device)
         key = ("target", _model_key(spec.model), spec.backend, spec.device, dtype, spec.ctx_size)
-        return self._get(key, lambda: BACKENDS[spec.backend].load(LoadRequest(spec.model, device, dtype,
-                                                                              spec.ctx_size)))
+
+        def make() -> tuple[Model, list[int]]:
+            model, eos = BACKENDS[spec.backend].load(LoadRequest(spec.model, device, dtype, spec.ctx_size))
+            warm_up(model)
+            return model, eos
+
+        return self._get(key, make)
 
     def draft(self, spec: DraftSpec, device: torch.device, dtype: torch.dtype, tokenizer, vocab_size: int) -> Model:
-        """The draft Model for a resolved draft spec, on the target's device and dtype; `tokenizer` and
-        `vocab_size` (the target's) pick a reduced vocabulary's tokens."""
+        """The draft Model for a resolved draft spec, on the target's device and dtype, warmed up; `tokenizer`
+        and `vocab_size` (the target's) pick a reduced vocabulary's tokens."""
         key = ("draft", _model_key(spec.model), spec.backend, str(device), dtype, spec.quant, spec.vocab,
                spec.forward, spec.ctx_size)
 
         def make() -> Model:
             head_ids = frequent_tokens(tokenizer, spec.vocab, vocab_size) if spec.vocab else None
             request = LoadRequest(spec.model, device, dtype, spec.ctx_size, spec.quant, head_ids, spec.forward)
-            return BACKENDS[spec.backend].load(request)[0]
+            model = BACKENDS[spec.backend].load(request)[0]
+            warm_up(model)
+            return model
 
         return self._get(key, make)
 
@@ -460,15 +594,26 @@ def _forward_name(model: Model | None, backend: str | None) -> str:
 def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | None = None, *, k_max: int = 8,
           store: ModelStore | None = None) -> Pipeline:
     """A pipeline for `target` drafted by `draft` (None: plain decoding) with k draft tokens per round (an
-    integer >= 0, 'auto', or None: default_k). Models come from `store` (a fresh one when None): pipelines
-    built on one store share the models their specs have in common (see ModelStore for the reset rule).
-    Refuses an incompatible pair (different vocabularies) before loading any weights."""
+    integer >= 0, 'auto', or None: DEFAULTS' k for the backend's default drafter with any draft model on the
+    target's backend, else default_k). Models come
+    from `store` (a fresh one when None): pipelines built on one store share the models their specs have in
+    common (see ModelStore for the reset rule). Refuses an incompatible pair (different vocabularies) before
+    loading any weights. Generation ends at the configured EOS ids and at every token llama.cpp treats as
+    the end of generation, on every backend alike."""
     if k is not None:
         check_k(k)
-    target, draft, device = resolve(target, draft)
-    store = store if store is not None else ModelStore()
+    backend, reason = resolve_target_backend(target)
+    default_pair = draft is not None and draft.drafter == "auto"
+    target, draft, device = resolve(replace(target, backend=backend), draft)
     has_model = draft is not None and draft.model is not None
     draft_backend = draft.backend if has_model else None
+    defaults = DEFAULTS.get(target.backend)
+    if (k is None and default_pair and defaults is not None and draft.drafter == defaults.drafter
+            and draft_backend in (None, target.backend)):  # the backend's own default pair
+        k = defaults.k
+        name = BACKEND_NAMES.get(target.backend, target.backend)
+        reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
+    store = store if store is not None else ModelStore()
     for name in dict.fromkeys((target.backend, draft_backend)):
         if name is not None:
             BACKENDS[name].available()  # say how to install it before loading anything
@@ -488,16 +633,17 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         draft_model = store.draft(draft, device, dtype, tokenizer, target_model.vocab_size)
         times["draft"] = time.perf_counter() - t0
     proposer = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, target_model.vocab_size)
-    eos = sorted({*eos, *eos_token_ids(None, tokenizer)})
+    end = eog_token_ids(tokenizer) if target.tokenizer is not None else store.end_tokens(target.model)
+    eos = sorted({*eos, *end})
     if k is None:
         k = default_k(target.backend, draft_backend) if draft is not None else 0
     generator = SpeculativeGenerator(target_model, proposer, eos, k, k_max)
     return Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
-                    times)
+                    times, reason)
 
 
-def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafter: str | None = "model",
-         k: int | str | None = None, device: str = "auto", dtype: str | None = None, backend: str = "hf",
+def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafter: str | None = "auto",
+         k: int | str | None = None, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          draft_backend: str = "auto", draft_quant: str = "auto", draft_vocab: int = 0, draft_forward: str = "auto",
          ctx_size: int | None = None, pull_missing: bool = False, store: ModelStore | None = None) -> Pipeline:
     """A ready pipeline: `pipe.generate(prompt)`, `pipe.stream(prompt)`.
@@ -505,12 +651,15 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
     `target` / `draft`: a known name, a Hugging Face directory, a .gguf file, a hub id, or a loaded
     transformers model (a loaded target needs `tokenizer=`; a loaded draft must share it). target None: the
     default pair (the default draft too unless one is given); the default models must be installed
-    (`verispec models pull`, or `pull_missing=True`). `drafter`: model, ngram (prompt lookup, no draft
-    model) or hybrid; None: plain decoding. `k`: draft tokens per round, or 'auto' (None: 4, or 'auto'
-    where llama.cpp runs). The other options are the fields of TargetSpec and DraftSpec (`ctx_size` applies
-    to every llama.cpp model of the pair)."""
+    (`verispec models pull`, or `pull_missing=True`). `backend`: auto (the fastest for this machine, see
+    choose_backend), hf or llamacpp. `drafter`: a name in DRAFTERS (model, ngram, suffix, hybrid,
+    hybrid-suffix), auto (the backend's default, see DEFAULTS; the default pair's draft is loaded only when
+    that drafter uses one), or None: plain decoding. `k`: draft tokens per round, or 'auto' (None: the
+    backend's default with its default drafter, else 4, or 'auto' where llama.cpp runs). The other options
+    are the fields of TargetSpec and DraftSpec (`ctx_size` applies to every llama.cpp model of the pair).
+    `pipe.reason` says why the backend was chosen."""
     if not is_loaded(target):
-        target, draft = default_refs(target, draft, drafter, pull_missing)
+        target, draft = default_refs(target, draft, drafter, pull_missing, backend, device)
     target_spec = TargetSpec(target, backend, device, dtype, ctx_size, tokenizer)
     if drafter is None:
         if draft is not None:
@@ -521,6 +670,8 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
 
 
 __all__ = [
-    "BACKENDS", "DRAFTERS", "Backend", "DraftSpec", "Drafter", "LoadRequest", "ModelStore", "SpecError", "TargetSpec",
-    "build", "check_specs", "choose_draft_quant", "default_k", "default_refs", "load", "resolve", "resolve_backends",
+    "BACKENDS", "DEFAULTS", "DRAFTERS", "Backend", "Defaults", "DraftSpec", "Drafter", "LoadRequest", "Machine",
+    "ModelStore", "SpecError", "TargetSpec", "build", "check_specs", "choose_backend", "choose_draft_quant",
+    "default_drafter", "default_k", "default_refs", "describe_machine", "load", "resolve", "resolve_backends",
+    "resolve_target_backend", "warm_up",
 ]

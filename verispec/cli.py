@@ -60,9 +60,10 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--device", default="auto", type=_device_arg, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype")
     p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
-    p.add_argument("--backend", default="hf", choices=["hf", "llamacpp"],
-                   help="target backend: hf (transformers) or llamacpp (the GGUF file on llama.cpp; needs the "
-                        "[llamacpp] extra)")
+    p.add_argument("--backend", default="auto", choices=["auto", "hf", "llamacpp"],
+                   help="target backend: hf (transformers), llamacpp (the GGUF file on llama.cpp; needs the "
+                        "[llamacpp] extra) or auto: llamacpp on a CPU where it is installed and the target has a "
+                        "GGUF, else hf")
     p.add_argument("--draft-backend", default="auto", choices=["auto", "hf", "llamacpp"],
                    help="draft backend; backends can be mixed (e.g. a llama.cpp draft for a transformers "
                         "target); auto: the target's")
@@ -70,14 +71,15 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                    help="llama.cpp context per model, in tokens (default: the model's trained context, capped so "
                         "that its KV cache takes at most a quarter of the available memory)")
     if speculation_flags:
-        p.add_argument("--drafter", default="model", choices=DRAFTER_NAMES,
+        p.add_argument("--drafter", default=None, choices=DRAFTER_NAMES,
                        help="model: the draft LM; ngram: prompt lookup (no draft model); suffix: suffix-tree lookup "
                             "over the text and earlier outputs (no draft model); hybrid / hybrid-suffix: n-gram / "
-                            "suffix lookup when it matches confidently, else the draft LM")
+                            "suffix lookup when it matches confidently, else the draft LM (default: the target "
+                            "backend's default drafter, verispec.build.DEFAULTS; model when --draft is given)")
         p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=None,
-                       help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: 4; auto "
-                            "when the target or the draft runs on llama.cpp, where a fixed k can be slower than "
-                            "plain decoding)")
+                       help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: the target "
+                            "backend's default with its default drafter; else 4, or auto when the target or the "
+                            "draft runs on llama.cpp, where a fixed k can be slower than plain decoding)")
         p.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
                        help="weight-only quantisation of the transformers draft (never the target; exactness "
                             "unaffected); auto: int4 on the CPU, none elsewhere")
@@ -199,7 +201,7 @@ def _specs(args, drafter: str | None):
     """(TargetSpec, DraftSpec or None) from the model options; `drafter` None: plain decoding."""
     from verispec.build import DraftSpec, TargetSpec, default_refs
 
-    target, draft = default_refs(args.target, args.draft, drafter, args.pull)
+    target, draft = default_refs(args.target, args.draft, drafter, args.pull, args.backend, args.device)
     target_spec = TargetSpec(target, args.backend, args.device, args.dtype, args.ctx_size)
     if drafter is None:
         return target_spec, None
@@ -210,7 +212,7 @@ def _specs(args, drafter: str | None):
 def _pipeline(args):
     from verispec.build import build
 
-    drafter = None if args.no_speculation else args.drafter
+    drafter = None if args.no_speculation else args.drafter or "auto"
     with _spec_errors():
         target, draft = _specs(args, drafter)
         return build(target, draft, 0 if args.no_speculation else args.num_draft_tokens)
@@ -228,8 +230,10 @@ def _prompt_text(prompt: str) -> str:
 
 
 def _check_draft(args) -> None:
-    """A model drafter needs a draft: --draft, or the default pair's (when --target is not given)."""
-    if not args.no_speculation and args.drafter not in FREE_DRAFTERS and args.target is not None and args.draft is None:
+    """A model drafter named on the command line needs a draft: --draft, or the default pair's (when --target
+    is not given). The default drafter is the backend's, known once the backend is: build checks it."""
+    if (not args.no_speculation and args.drafter is not None and args.drafter not in FREE_DRAFTERS
+            and args.target is not None and args.draft is None):
         raise UsageError("no draft model: pass --draft (or --drafter ngram, or --no-speculation for plain decoding)")
 
 
@@ -277,7 +281,9 @@ def cmd_generate(args) -> int:
             "draft": pipe.draft_ref,
             "drafter": pipe.drafter,
             "num_draft_tokens": pipe.generator.num_draft_tokens,
+            "k": pipe.k,
             "backend": pipe.backend,
+            "reason": pipe.reason,
             "draft_backend": pipe.draft_backend,
             "draft_quant": pipe.draft_quant,
             "draft_forward": pipe.draft_forward,

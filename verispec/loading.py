@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,45 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+# llama.cpp's end-of-generation rule (llama-vocab.cpp, where it loads a vocabulary): a token ends generation
+# when its text is one of EOG_TEXTS, when it is the vocabulary's FIM pad, FIM repo or FIM file-separator
+# token (the vocabulary's token with a text of the group in FIM_EOG_TEXTS; llama.cpp takes whichever it meets
+# first, this the first in the list), or when it is the EOS token. Where a vocabulary has every token of a
+# set in EOG_EXCLUSIONS, the set's last token is dropped (gpt-oss' and Solar's <|end|>, Gemma 4's </s>).
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+})
+FIM_EOG_TEXTS = (
+    ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    ("<|file_sep|>",),
+)
+EOG_EXCLUSIONS = (("<|return|>", "<|call|>", "<|end|>"), ("<|calls|>", "<|flush|>", "<|end|>"),
+                  ("<|tool_response>", "</s>"))
+
+
+def eog_ids_of_vocab(vocab: Mapping[str, int], eos_ids: list[int]) -> list[int]:
+    """The ids llama.cpp ends generation at, by its rule (see EOG_TEXTS) over a vocabulary (token text ->
+    id) whose EOS ids are `eos_ids`."""
+    ids = {vocab[text] for text in EOG_TEXTS if text in vocab}
+    ids.update(next(vocab[text] for text in group if text in vocab) for group in FIM_EOG_TEXTS
+               if any(text in vocab for text in group))
+    for texts in EOG_EXCLUSIONS:
+        if all(text in vocab and vocab[text] in ids for text in texts):
+            ids.discard(vocab[texts[-1]])
+    return sorted(ids | set(eos_ids))
+
+
+def eog_token_ids(tokenizer) -> list[int]:
+    """The ids that end generation for a model with this tokenizer, on every backend alike: its EOS id and
+    the tokens llama.cpp treats as the end of generation (e.g. Qwen's <|endoftext|> and FIM tokens besides
+    <|im_end|>). llama.cpp stops at all of them; with only the configured EOS, generation would run on where
+    llama.cpp's own decoding stops, and a transformers model would disagree with its own GGUF on length."""
+    return eog_ids_of_vocab(tokenizer.get_vocab(), eos_token_ids(None, tokenizer))
+
+
 def resolve_gguf(ref: str) -> str:
     """The GGUF file behind a reference, for the llama.cpp backend: a known name (its cached model.gguf), a
     .gguf file, or a directory holding exactly one."""
@@ -158,6 +198,6 @@ def check_same_vocabulary(target_tok, draft_tok, target_ref: str, draft_ref: str
 
 
 __all__ = [
-    "ModelSource", "check_same_vocabulary", "configured_eos_ids", "eos_token_ids", "load_model", "load_tokenizer",
-    "resolve", "resolve_gguf",
+    "ModelSource", "check_same_vocabulary", "configured_eos_ids", "eog_ids_of_vocab", "eog_token_ids", "eos_token_ids",
+    "load_model", "load_tokenizer", "resolve", "resolve_gguf",
 ]

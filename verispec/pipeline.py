@@ -123,7 +123,8 @@ class Pipeline:
     """A target, its drafter and k, ready to generate. `generator` is the engine (token ids in and out);
     `target` and `draft` are the resolved specs it was built from (`draft` None: plain decoding);
     `draft_model` the draft LM, if any; `draft_forward` how a transformers draft runs (lean, transformers;
-    none otherwise); `load_seconds` what loading took, per part."""
+    none otherwise); `load_seconds` what loading took, per part; `reason` why the target runs on its backend
+    (and, where they were defaults, where the drafter and k came from), one line."""
 
     generator: SpeculativeGenerator
     tokenizer: Any
@@ -133,6 +134,7 @@ class Pipeline:
     draft_model: Model | None = None
     draft_forward: str = "none"
     load_seconds: Mapping[str, float] = field(default_factory=dict)
+    reason: str = ""
 
     # -- what was built ---------------------------------------------------------------------------
 
@@ -160,6 +162,15 @@ class Pipeline:
     def draft_backend(self) -> str | None:
         """The draft model's backend (None: no draft model)."""
         return None if self.draft_model is None else self.draft.backend
+
+    @property
+    def k(self) -> int | str:
+        """Draft tokens per round: an integer (0: plain decoding) or 'auto'."""
+        return self.generator.num_draft_tokens
+
+    def setup(self) -> dict[str, object]:
+        """What runs and why, for front ends to show: backend, drafter, k and the reason."""
+        return {"backend": self.backend, "drafter": self.drafter, "k": self.k, "reason": self.reason}
 
     @property
     def draft_quant(self) -> str:

@@ -83,6 +83,12 @@ def _totals(bot: ChatBot) -> str:
     return line
 
 
+def _setup(bot: ChatBot) -> str:
+    """What runs and why: the target's backend, the drafter, k, and the reason for the backend."""
+    s = bot.pipeline.setup()
+    return f"backend {s['backend']}, drafter {s['drafter']}, k={s['k']} ({s['reason']})"
+
+
 def _answer(bot: ChatBot, message: str, out: TokenWriter, info: TextIO) -> None:
     """Stream one answer. Ctrl-C sets a flag; the answer stops at the next round boundary, so the
     caches stay consistent and the partial reply stays in the history."""
@@ -136,7 +142,8 @@ def run_repl(bot: ChatBot, interactive: bool, banner: str = "", color: bool = Fa
             print("[conversation reset]", file=info, flush=True)
             continue
         if command == "/stats":
-            print(f"[{_totals(bot)}]", file=info, flush=True)
+            print(f"[{_totals(bot)}]", file=info)
+            print(f"[{_setup(bot)}]", file=info, flush=True)
             continue
         if command == "/help":
             print(HELP, file=info, flush=True)

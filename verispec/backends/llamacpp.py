@@ -58,6 +58,23 @@ def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch:
         raise ModelError(f"llama.cpp cannot load '{path}': {exc}") from exc
 
 
+def eog_ids_of_gguf(path: str) -> list[int]:
+    """The token ids llama.cpp ends generation at for a GGUF (`llama_vocab_is_eog`), from its vocabulary
+    alone (no weights loaded). verispec.loading.eog_token_ids reproduces llama.cpp's rule for every backend;
+    this is what it is checked against."""
+    llama_cpp = import_llama_cpp()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise ModelError(f"llama.cpp cannot load the vocabulary of '{path}'")
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        return [t for t in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
 # -- the context size ---------------------------------------------------------------------------------
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -243,3 +260,4 @@ class LlamaCppModel:
     def reset(self) -> None:
         self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
         self._length = 0
+

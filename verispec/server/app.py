@@ -400,9 +400,11 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
         prompt_ids = await _tokenize(_completion_prompt, req)
         return await _serve(request, req, _job(req, prompt_ids), chat=False)
 
+    setup = pipeline.setup()  # an extension field: what runs (backend, drafter, k) and why
+
     @app.get("/v1/models")
     async def list_models():
-        offered = {"drafters": [pipeline.drafter, "none"] if speculative else ["none"],
+        offered = {**setup, "drafters": [pipeline.drafter, "none"] if speculative else ["none"],
                    "num_draft_tokens": pipeline.generator.num_draft_tokens if speculative else 0}
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "verispec",
                                             "verispec": offered} for name in settings.model_names]}
