@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p out
-exec verispec bench --drafters model,ngram,hybrid -k 4 --draft-quant int8 --max-new-tokens 96 \
+exec verispec bench --backend hf --drafters model,ngram,hybrid -k 4 --draft-quant int8 --max-new-tokens 96 \
     --json-out out/builtin.json --plot-dir out/builtin_plots "$@"

@@ -10,12 +10,12 @@ cd "$(dirname "$0")/.."
 data="${BENCH_DATA:-../shared/bench-data}"
 new="${MAX_NEW:-96}"
 mkdir -p out
-verispec bench -k auto --compare hf --prompts "$data/HumanEval.jsonl.gz" --limit "${PROMPTS:-20}" \
+verispec bench --backend hf -k auto --compare hf --prompts "$data/HumanEval.jsonl.gz" --limit "${PROMPTS:-20}" \
     --max-new-tokens "$new" --json-out out/default_humaneval.json --plot-dir out/default_humaneval_plots
-verispec bench -k auto --prompts "$data/spec_bench_question.jsonl" --per-category "${PER_CATEGORY:-5}" \
+verispec bench --backend hf -k auto --prompts "$data/spec_bench_question.jsonl" --per-category "${PER_CATEGORY:-5}" \
     --max-new-tokens "$new" --json-out out/default_spec_bench.json --plot-dir out/default_spec_bench_plots
-verispec bench -k auto --temperature 0.7 --top-p 0.9 --seed 0 --compare hf \
+verispec bench --backend hf -k auto --temperature 0.7 --top-p 0.9 --seed 0 --compare hf \
     --prompts "$data/HumanEval.jsonl.gz" --limit "${SAMPLED_PROMPTS:-20}" --max-new-tokens "$new" \
     --json-out out/sampled_humaneval.json
-verispec bench -k auto --temperature 0.7 --top-p 0.9 --seed 0 --prompts "$data/spec_bench_question.jsonl" \
+verispec bench --backend hf -k auto --temperature 0.7 --top-p 0.9 --seed 0 --prompts "$data/spec_bench_question.jsonl" \
     --per-category "${SAMPLED_PER_CATEGORY:-5}" --max-new-tokens "$new" --json-out out/sampled_spec_bench.json

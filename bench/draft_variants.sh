@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 data="${BENCH_DATA:-../shared/bench-data}"
 mkdir -p out
-verispec bench -k auto --draft-variants hf-int4-v32768,llamacpp --prompts "$data/HumanEval.jsonl.gz" \
+verispec bench --backend hf -k auto --draft-variants hf-int4-v32768,llamacpp --prompts "$data/HumanEval.jsonl.gz" \
     --limit "${PROMPTS:-6}" --max-new-tokens "${MAX_NEW:-96}" --json-out out/variants_humaneval.json
-verispec bench -k auto --drafters model,hybrid --draft-variants llamacpp \
+verispec bench --backend hf -k auto --drafters model,hybrid --draft-variants llamacpp \
     --prompts "$data/spec_bench_question.jsonl" --categories rag,summarization,qa --per-category "${PER_CATEGORY:-2}" \
     --max-new-tokens "${MAX_NEW:-96}" --json-out out/variants_spec_bench.json

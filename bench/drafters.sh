@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p out
-exec verispec bench --drafters model,ngram,hybrid -k 2,4,6 --compare hf --compare hf-lookup \
+exec verispec bench --backend hf --drafters model,ngram,hybrid -k 2,4,6 --compare hf --compare hf-lookup \
     --json-out out/drafters.json --plot-dir out/drafters_plots "$@"

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 data="${BENCH_DATA:-../shared/bench-data}"
 mkdir -p out
-exec verispec bench --prompts "$data/HumanEval.jsonl.gz" --limit 20 --drafters model,ngram,hybrid \
+exec verispec bench --backend hf --prompts "$data/HumanEval.jsonl.gz" --limit 20 --drafters model,ngram,hybrid \
     --compare hf --json-out out/humaneval.json --plot-dir out/humaneval_plots "$@"

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p out
-verispec bench --draft-backend llamacpp -k auto --drafters model,ngram,hybrid --compare llama \
+verispec bench --backend hf --draft-backend llamacpp -k auto --drafters model,ngram,hybrid --compare llama \
     --categories code-editing,summarization --max-new-tokens "${MAX_NEW:-96}" \
     --json-out out/mixed_code_editing.json --plot-dir out/mixed_code_editing_plots
