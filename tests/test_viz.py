@@ -165,7 +165,8 @@ def test_page_loads_without_a_key_the_api_needs_one(server):
     assert httpx.get(server.url + "/static/..%2fapp.py").status_code == 404  # only the page's own files
     assert httpx.get(server.url + "/v1/models").status_code == 401
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
-    assert models["data"][0]["verispec"] == {"drafters": ["model", "none"], "num_draft_tokens": 3}
+    offered = models["data"][0]["verispec"]
+    assert offered["drafters"] == ["model", "none"] and offered["num_draft_tokens"] == 3 and offered["k"] == 3
 
 
 # -- terminal colour ---------------------------------------------------------------------------------

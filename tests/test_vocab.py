@@ -18,7 +18,7 @@ def test_frequent_tokens_keeps_specials_and_lowest_ids():
     assert specials <= set(ids)
     assert [i for i in ids if i not in specials] == list(range(2 * ROW_MULTIPLE - len(specials)))
     assert frequent_tokens(tok, 10_000, 264).tolist() == list(range(264))  # capped at the vocabulary
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(ValueError, match="must be a positive number"):
         frequent_tokens(tok, 0, 264)
 
 

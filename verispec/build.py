@@ -344,11 +344,10 @@ def resolve_backends(target: TargetSpec, draft: DraftSpec | None) -> tuple[str, 
 
 
 def choose_draft_quant(draft_quant: str, draft_backend: str, device: torch.device) -> str:
-    """auto: int4 for a transformers draft on the CPU, else none. Measured here (HumanEval, 6 prompts, one
-    run, k=auto): the 0.5B draft in int4 costs ~0.15 of a bf16 1.5B verify pass (~0.5 in bf16), gives
-    2.41x over plain decoding against 2.25x for the same draft's GGUF on llama.cpp, and prefills long
-    prompts several times faster than llama.cpp does here. GGUF drafts are quantised already; on CUDA
-    the packed CPU kernels do not apply."""
+    """auto: int4 for a transformers draft on the CPU, else none: a small int4 draft costs a fraction of a
+    bf16 draft step (the packed kernels are matrix-vector kernels) and prefills through its bf16 weights
+    (see verispec.quant); docs/performance.md compares the draft variants. GGUF drafts are quantised
+    already; on CUDA the packed CPU kernels do not apply."""
     if draft_quant not in ("auto", *QUANT_MODES):
         raise SpecError(f"unknown draft quantisation '{draft_quant}' (use auto, {', '.join(QUANT_MODES)})",
                         "draft.quant")

@@ -41,11 +41,11 @@ def default_threads() -> int:
 def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch: int = 512,
                gpu: bool = False, **kwargs):
     """A llama_cpp.Llama on `path` with verispec's defaults: every core for decode and batch, quiet, and
-    flash attention on. Measured here: without flash attention llama.cpp's K*Q product gives different
-    logits for a token evaluated alone and the same token inside a batch (SmolLM2: up to 1.25), which
-    makes greedy verification disagree with plain decoding; with it, batches of up to 7 tokens reproduce
-    single-token evaluation bitwise on SmolLM2 (on the Qwen GGUFs up to ~4e-5 from the repacked Q4_K
-    kernels for 4+ rows, and ~0.1 from 8 rows on)."""
+    flash attention on. Without flash attention llama.cpp's K*Q product gives different logits for a token
+    evaluated alone and the same token inside a batch, which makes greedy verification disagree with plain
+    decoding; with it, small batches reproduce single-token evaluation bitwise on SmolLM2, and on the Qwen
+    GGUFs the repacked Q4_K kernels still round multi-row batches slightly differently (tests/test_llamacpp.py
+    checks the identity)."""
     llama_cpp = import_llama_cpp()
     threads = n_threads or default_threads()
     try:
