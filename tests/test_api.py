@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from tiny import byte_tokenizer, perturbed, tiny_qwen2
+from tiny import perturbed, text_pair
 from transformers import GenerationConfig, TextIteratorStreamer
 
 import verispec
@@ -18,8 +18,7 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def models():
-    target = tiny_qwen2(21, vocab_size=264, init=0.1)
-    return target, perturbed(target, seed=22, noise=0.1), byte_tokenizer()
+    return text_pair()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from server_util import ServerProcess
-from tiny import byte_tokenizer, perturbed, save_tiny_pair, tiny_qwen2
+from tiny import save_tiny_pair, text_pair
 
 import verispec
 from verispec.cli import main
@@ -25,8 +25,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 @pytest.fixture(scope="module")
 def models():
-    target = tiny_qwen2(21, vocab_size=264, init=0.1)
-    return target, perturbed(target, seed=22, noise=0.1), byte_tokenizer()
+    return text_pair()
 
 
 @pytest.fixture(scope="module")

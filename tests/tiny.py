@@ -92,3 +92,9 @@ def save_tiny_pair(root, vocab_size: int = 264):
         tok.save_pretrained(path)
         paths.append(str(path))
     return paths
+
+
+def text_pair():
+    """(target, perturbed draft, byte tokenizer): a tiny pair that speaks text, for API and streaming tests."""
+    target = tiny_qwen2(21, vocab_size=264, init=0.1)
+    return target, perturbed(target, seed=22, noise=0.1), byte_tokenizer()
