@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,7 +24,9 @@ import torch
 
 from verispec.backends import HFModel
 from verispec.backends.base import Model
-from verispec.backends.lean import LeanModel, lean_unsupported
+from verispec.backends.lean import LeanBatch, LeanModel, LeanNet, lean_unsupported
+from verispec.batch import BatchGenerator
+from verispec.proposers.rows import BatchDraftModel, ProposerRows
 from verispec.engine import SpeculativeGenerator
 from verispec.loading import (
     DTYPES,
@@ -641,6 +644,55 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
                     times, reason)
 
 
+BATCH_DRAFTERS = ("model", "ngram", "suffix")  # the drafters a batch runs (verispec.batch)
+_LEAN_TARGETS: "weakref.WeakKeyDictionary[Any, LeanNet]" = weakref.WeakKeyDictionary()
+
+
+def batch_unsupported(pipe: Pipeline) -> str | None:
+    """Why `pipe` cannot decode a batch (verispec.batch), or None when it can."""
+    if pipe.backend != "hf" or (pipe.draft_model is not None and pipe.draft_backend != "hf"):
+        return "batched decoding runs on the transformers backend (llama.cpp decodes one sequence at a time here)"
+    if pipe.drafter not in ("none", *BATCH_DRAFTERS):
+        return f"the {pipe.drafter} drafter does not batch (use {', '.join(BATCH_DRAFTERS)} or none)"
+    models = [pipe.generator.target] + ([pipe.draft_model] if pipe.draft_model is not None else [])
+    if isinstance(pipe.draft_model, HFModel) and pipe.draft_quant != "none":
+        return "a quantised draft batches on the lean path only (draft forward lean)"
+    for model in models:
+        if not isinstance(model, LeanModel):
+            reason = lean_unsupported(model.model)
+            if reason is not None:
+                return f"batched decoding runs on the lean path, which cannot run {reason}"
+    return None
+
+
+def _lean_net(model: Model) -> LeanNet:
+    """The LeanNet of a transformers-backed Model (built once per model: it fuses weights of its own)."""
+    if isinstance(model, LeanModel):
+        return model.net
+    if model not in _LEAN_TARGETS:
+        _LEAN_TARGETS[model] = LeanNet(model.model)
+    return _LEAN_TARGETS[model]
+
+
+def batch_generator(pipe: Pipeline, max_batch: int) -> BatchGenerator:
+    """A BatchGenerator of `max_batch` slots over the pipeline's models (the same weights; caches of its own).
+    SpecError (runtime) when the pipeline cannot batch (see batch_unsupported)."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise SpecError(f"max_batch must be an integer >= 1, got {max_batch!r}", "max_batch")
+    reason = batch_unsupported(pipe)
+    if reason is not None:
+        raise SpecError(reason, "max_batch", runtime=True)
+    target = pipe.generator.target
+    drafter = None
+    if pipe.draft_model is not None:
+        drafter = BatchDraftModel(LeanBatch(_lean_net(pipe.draft_model), max_batch), target.vocab_size)
+    elif pipe.drafter != "none":
+        make = DRAFTERS[pipe.drafter].make
+        drafter = ProposerRows(lambda: make(None, target.vocab_size))
+    return BatchGenerator(LeanBatch(_lean_net(target), max_batch), drafter, pipe.generator.prepare, pipe.k,
+                          pipe.context_length)
+
+
 def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafter: str | None = "auto",
          k: int | str | None = None, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          draft_backend: str = "auto", draft_quant: str = "auto", draft_vocab: int = 0, draft_forward: str = "auto",
@@ -670,7 +722,7 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
 
 __all__ = [
     "BACKENDS", "DEFAULTS", "DRAFTERS", "Backend", "Defaults", "DraftSpec", "Drafter", "LoadRequest", "Machine",
-    "ModelStore", "SpecError", "TargetSpec", "build", "check_specs", "choose_backend", "choose_draft_quant",
+    "ModelStore", "SpecError", "TargetSpec", "batch_generator", "batch_unsupported", "build", "check_specs", "choose_backend", "choose_draft_quant",
     "default_drafter", "default_k", "default_refs", "describe_machine", "load", "resolve", "resolve_backends",
     "resolve_target_backend", "warm_up",
 ]

@@ -126,27 +126,6 @@ class SpeculativeGenerator:
         self._target_held = seq.ids[: self.target.length]
         return head, len(seq) - keep
 
-    def _target_rows(
-        self, logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
-    ) -> torch.Tensor:
-        """Processed target rows [k+1, V]: argmax ids (greedy) or probs p."""
-        presence = None
-        if params.penalised:
-            presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
-        counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), len(seq.generated)
-        if params.greedy:
-            return greedy_tokens(process_logits(logits, params, presence, counts, position))  # [k+1]
-        return probs_from_logits(logits, params, presence, counts, position)  # [k+1, V]
-
-    def _logprob_rows(
-        self, logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
-    ) -> torch.Tensor:
-        """[k+1, V] log-probabilities of the target's processed distribution (greedy: of its penalised logits,
-        at temperature 1, since the one-hot would say nothing)."""
-        presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens) if params.penalised else None
-        counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
-        return process_logits(logits, params, presence, counts, len(seq.generated)).log_softmax(dim=-1)
-
     def _score(self, seq: TokenSequence, drafts: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
         """The target's logits [k+1, V] for the positions after seq and after each draft: ONE forward pass
         over [last committed token, d_1 .. d_k] (the first round: over the drafts, the prefill gave `head`)."""
@@ -182,20 +161,10 @@ class SpeculativeGenerator:
         draft = self._draft(seq, plan)
         t2 = clock.mark()
         logits = self._score(seq, draft.tokens, head)
-        rows = self._target_rows(logits, draft.tokens, params, seq)
-        if params.greedy:
-            n, nxt = greedy_verify(draft.tokens[None], rows[None])
-        else:
-            n, nxt = rejection_sample(draft.tokens[None], None if draft.probs is None else draft.probs[None],
-                                      rows[None], gen)
+        n, nxt = verify(seq, draft, logits, params, gen)
         t3 = clock.mark()
-        host = torch.cat([n, nxt, draft.tokens]).tolist()  # the round's one device -> host sync
-        accepted, drafted = host[0], draft.tokens.numel()
-        committed = host[2 : 2 + accepted] + [host[1]]
-        if logprobs is not None:
-            logp = self._logprob_rows(logits, draft.tokens, params, seq)
-            logprobs.extend(_token_logprobs(logp[: accepted + 1], committed, top_logprobs))
-        seq.extend(committed, torch.cat([draft.tokens[:accepted], nxt]))
+        committed, accepted = commit(seq, draft, n, nxt, logits, params, logprobs, top_logprobs)
+        drafted = draft.tokens.numel()
         self.target.rollback(len(seq) - 1)  # the target's cache keeps exactly the committed tokens it has seen
         if plan.draft is None and plan.k > 0:
             self.proposer.observe(seq, drafted, accepted)  # the draft rolls back its own cache
@@ -229,12 +198,10 @@ class SpeculativeGenerator:
                 head = None
                 policy.observe(report)
                 stats.add_round(report)
-                keep = _stop_index(seq.generated, len(seq.generated) - len(committed), stop, stop_ids)
+                emitted, keep = cut_at_stop(seq, committed, stop, stop_ids)
                 if keep is not None:  # drop what follows the stop, from the result and from the caches
-                    emitted = max(0, keep - (len(seq.generated) - len(committed)))
-                    stats.cut_round(report.drafted, report.accepted, emitted)
-                    committed = committed[:emitted]
-                    seq.truncate(seq.prompt_length + keep)
+                    stats.cut_round(report.drafted, report.accepted, len(emitted))
+                    committed = emitted
                     self.target.rollback(min(self.target.length, len(seq) - 1))
                     result.finish_reason = "stop"
                 result.token_ids = seq.generated
@@ -282,6 +249,18 @@ class SpeculativeGenerator:
         """Generate round by round. `stop_token_ids` end generation like EOS does; `ignore_eos`: EOS does
         not; params.min_tokens masks whichever ids end it. `logprobs` n >= 0: result.logprobs holds each
         token's logprob and the n most likely alternatives under the target's processed distribution."""
+        prompt_ids, params, k, stop_ids, result = self.prepare(prompt_ids, params, max_new_tokens, num_draft_tokens,
+                                                               stop_token_ids, ignore_eos, logprobs)
+        policy = self.k_policy if k == "auto" else FixedK(k)
+        rounds = self._rounds(prompt_ids, params, max_new_tokens, policy, stop, result, stop_ids, logprobs)
+        return Generation(self._guarded(rounds), result)
+
+    def prepare(
+        self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, num_draft_tokens: int | str | None,
+        stop_token_ids: Iterable[int], ignore_eos: bool, logprobs: int | None,
+    ) -> tuple[list[int], SamplingParams, int | str, frozenset[int], GenerationResult]:
+        """Check a request (ValueError with a one-line reason) and resolve it: (prompt ids, params with
+        min_tokens' masked ids, k, the ids that end generation, an empty result)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         if len(prompt_ids) >= self.target.max_length:
@@ -290,17 +269,15 @@ class SpeculativeGenerator:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.target.vocab_size:
             raise ValueError(f"a prompt token id is out of range for the vocabulary of {self.target.vocab_size}")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
         k = self.num_draft_tokens if num_draft_tokens is None else _check_k(num_draft_tokens)
-        policy = self.k_policy if k == "auto" else FixedK(k)
         result = GenerationResult(token_ids=[], finish_reason="length")
         result.stats.prompt_tokens = len(prompt_ids)
         stop_ids = frozenset(int(t) for t in stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
         if params.min_tokens:  # min_tokens masks every id that would end generation here
             params = replace(params, stop_ids=tuple(sorted(stop_ids | set(params.stop_ids))))
-        if logprobs is not None and logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
-        rounds = self._rounds(list(prompt_ids), params, max_new_tokens, policy, stop, result, stop_ids, logprobs)
-        return Generation(self._guarded(rounds), result)
+        return list(prompt_ids), params, k, stop_ids, result
 
     def _guarded(self, rounds: Iterator[Committed]) -> Iterator[Committed]:
         """An exception inside a round (e.g. KeyboardInterrupt mid-forward) may leave a cache half
@@ -337,6 +314,69 @@ def _stop_index(generated: list[int], start: int, stop: StopFn | None, stop_ids:
         if at_stop is not None:
             keep = at_stop
     return keep
+
+
+def cut_at_stop(
+    seq: TokenSequence, committed: list[int], stop: StopFn | None, stop_ids: frozenset[int]
+) -> tuple[list[int], int | None]:
+    """After a round committed `committed` (already in seq): if a stop was hit among them, truncate seq after
+    it and return (the committed tokens kept, generated tokens kept); else (committed, None)."""
+    start = len(seq.generated) - len(committed)
+    keep = _stop_index(seq.generated, start, stop, stop_ids)
+    if keep is None:
+        return committed, None
+    seq.truncate(seq.prompt_length + keep)
+    return committed[: max(0, keep - start)], keep
+
+
+def target_rows(
+    logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
+) -> torch.Tensor:
+    """Processed target rows [k+1, V]: argmax ids (greedy) or probs p."""
+    presence = None
+    if params.penalised:
+        presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
+    counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), len(seq.generated)
+    if params.greedy:
+        return greedy_tokens(process_logits(logits, params, presence, counts, position))  # [k+1]
+    return probs_from_logits(logits, params, presence, counts, position)  # [k+1, V]
+
+
+def logprob_rows(
+    logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
+) -> torch.Tensor:
+    """[k+1, V] log-probabilities of the target's processed distribution (greedy: of its penalised logits,
+    at temperature 1, since the one-hot would say nothing)."""
+    presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens) if params.penalised else None
+    counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
+    return process_logits(logits, params, presence, counts, len(seq.generated)).log_softmax(dim=-1)
+
+
+def verify(
+    seq: TokenSequence, draft: Draft, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's verification of its draft against the target's logits [k+1, V] for the positions after
+    seq and after each draft: (accepted count [1], the recovered or bonus token [1]), on the device."""
+    rows = target_rows(logits, draft.tokens, params, seq)
+    if params.greedy:
+        return greedy_verify(draft.tokens[None], rows[None])
+    return rejection_sample(draft.tokens[None], None if draft.probs is None else draft.probs[None], rows[None], gen)
+
+
+def commit(
+    seq: TokenSequence, draft: Draft, n: torch.Tensor, nxt: torch.Tensor, logits: torch.Tensor,
+    params: SamplingParams, logprobs: list[TokenLogprob] | None, top_logprobs: int,
+) -> tuple[list[int], int]:
+    """Append the accepted drafts and the target's token to seq (the round's one device -> host sync); with
+    `logprobs`, append each committed token's TokenLogprob. Returns (committed ids, accepted count)."""
+    host = torch.cat([n, nxt, draft.tokens]).tolist()
+    accepted = host[0]
+    committed = host[2 : 2 + accepted] + [host[1]]
+    if logprobs is not None:
+        logp = logprob_rows(logits, draft.tokens, params, seq)
+        logprobs.extend(_token_logprobs(logp[: accepted + 1], committed, top_logprobs))
+    seq.extend(committed, torch.cat([draft.tokens[:accepted], nxt]))
+    return committed, accepted
 
 
 def _row_counts(

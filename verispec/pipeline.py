@@ -96,6 +96,14 @@ class TextStream:
         return Completion(self._text.text, list(res.token_ids), res.finish_reason, res.stats)
 
 
+def _is_prompt_list(prompt: Any) -> bool:
+    """A list of prompts (texts, message lists, token-id lists), not one prompt (text, messages, ids)."""
+    if isinstance(prompt, (str, torch.Tensor, Mapping)) or not isinstance(prompt, Sequence) or not prompt:
+        return False
+    return all(isinstance(p, (str, torch.Tensor)) or (isinstance(p, Sequence) and not isinstance(p, Mapping))
+               for p in prompt)
+
+
 def sampling_settings(generation_config=None, **explicit: Any) -> tuple[SamplingParams, int]:
     """(SamplingParams, max_new_tokens) from a transformers GenerationConfig (do_sample, temperature, top_p,
     top_k, min_p, repetition_penalty, max_new_tokens; do_sample false or unset: greedy) overlaid with the
@@ -235,12 +243,61 @@ class Pipeline:
                                            stop=text.assembler.stop_index if stops else None)
         return TextStream(generation, text, prompt_ids, streamer)
 
-    def generate(self, prompt: Prompt, **kwargs: Any) -> Completion:
-        """Generate to the end and return the Completion; takes the same arguments as `stream`."""
+    def generate(self, prompt: Prompt | list[Prompt], **kwargs: Any) -> Completion | list[Completion]:
+        """Generate to the end and return the Completion; takes the same arguments as `stream`. A list of
+        prompts (texts, message lists or token-id lists) returns one Completion per prompt, in order: decoded
+        together in batches (see `generate_batch`) where the pipeline can batch, else one after another."""
+        if _is_prompt_list(prompt):
+            return self.generate_batch(prompt, **kwargs)
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
             pass
         return stream.result
+
+    def can_batch(self) -> str | None:
+        """Why this pipeline cannot decode a batch, or None when it can."""
+        from verispec.build import batch_unsupported
+
+        return batch_unsupported(self)
+
+    def batch(self, max_batch: int):
+        """A verispec.batch.BatchGenerator of `max_batch` slots over this pipeline's models."""
+        from verispec.build import batch_generator
+
+        return batch_generator(self, max_batch)
+
+    def generate_batch(self, prompts: Sequence[Prompt], *, max_batch: int = 8, stop: Sequence[str] | str = (),
+                       k: int | str | None = None, generation_config=None, **settings: Any) -> list[Completion]:
+        """One Completion per prompt, at most `max_batch` sequences decoding together (continuous batching:
+        a finished sequence's slot takes the next prompt at once). Sampling keywords as `stream`; each
+        sequence gets its own generator (seed: the same seed for each). Falls back to one at a time where
+        the pipeline cannot batch (`can_batch`)."""
+        if self.can_batch() is not None:
+            return [self.generate(p, stop=stop, k=k, generation_config=generation_config, **settings)
+                    for p in prompts]
+        params, max_new = sampling_settings(generation_config, **settings)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        texts = [ProvenanceText(self.tokenizer, stops) for _ in prompts]
+        requests = [dict(prompt_ids=self.encode(p), params=params, max_new_tokens=max_new, num_draft_tokens=k,
+                         stop=text.assembler.stop_index if stops else None) for p, text in zip(prompts, texts)]
+        batch = self.batch(min(max_batch, len(prompts)) or 1)
+        pending, admitted = list(enumerate(requests)), {}
+        try:
+            while pending or batch.active:
+                while pending and batch.free_slots:
+                    index, request = pending.pop(0)
+                    admitted[batch.add(**request)] = index
+                for request, chunk in batch.step():
+                    texts[admitted[request]].push(chunk)
+        finally:
+            for request in list(batch.active):
+                batch.cancel(request)
+        out = [None] * len(prompts)
+        for request, index in admitted.items():
+            texts[index].finish()
+            res = request.result
+            out[index] = Completion(texts[index].text, list(res.token_ids), res.finish_reason, res.stats)
+        return out
 
 
 def build_pipeline(

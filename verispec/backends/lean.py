@@ -1,15 +1,27 @@
-"""A lean decode path for Llama-family drafts (Llama, Qwen2, Mistral without sliding window).
+"""A lean decode path for Llama-family models (Llama, Qwen2, Mistral without sliding window), one sequence
+or many.
 
 A draft runs one single-token forward per drafted token, so per-call overhead matters as much as the math.
 In a small quantised draft's transformers step the matmuls are only part of the time; the rest is module
-dispatch, mask building and a DynamicCache that concatenates every layer's keys and values each step. This module runs the same network from the same weights with far fewer calls per layer:
+dispatch, mask building and a DynamicCache that concatenates every layer's keys and values each step. This
+module runs the same network from the same weights with far fewer calls per layer:
 - q, k and v are one linear layer (their weights concatenated), gate and up another (fewer, larger matmuls,
   and quantisation packs the fused layers just as it does the separate ones);
 - RoPE is one rotation of q and k together, from cos/sin tables the model's own rotary module computes once;
 - the KV cache is preallocated per layer and written in place; rollback just moves the length (O(1)), and
   a single-token step needs no mask.
-It is a draft: its numerics only have to be close to transformers' (they change acceptance, never the
-verified distribution). tests/test_lean.py checks it against the transformers forward in fp32.
+
+Many sequences (`LeanBatch`, for batched speculation): one padded cache per layer, [slots, Hkv, capacity, hd],
+and one length per slot. A forward feeds each row its own tokens (ragged: padded to the longest row) at
+explicit positions length_s + j; row b's query j sees cache positions t <= length_b + j and nothing else, so
+what lies past a slot's length (padding, rejected drafts) is never read and a ragged rollback is one integer
+per slot, O(1), with no copy. A padded cache wastes at most the longest row's padding per round (a few
+tokens); a paged cache would save that memory at the price of a gather per layer, which on a CPU costs more
+than the attention itself at these lengths. Slots need not be contiguous: active slots are gathered (a copy)
+unless they form one range, which the batch engine keeps them in.
+
+Numerics only have to be close to transformers' for a draft; a target run here is the same network, and
+tests/test_lean.py checks both against the transformers forward in fp32.
 """
 
 from __future__ import annotations
@@ -71,19 +83,19 @@ class LeanLayer(nn.Module):
         self.inter = mlp.gate_proj.out_features
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """h: [1, n, D]; cos/sin: [n, 1, hd] (sin sign-folded); keys/values: [1, Hkv, capacity, hd]."""
-        n, end, d = h.shape[1], start + h.shape[1], self.head_dim
+                values: torch.Tensor, write: "_Write", mask: torch.Tensor | None) -> torch.Tensor:
+        """h: [B, n, D]; cos/sin: [B, n, 1, hd] (sin sign-folded); keys/values: [slots, Hkv, capacity, hd]."""
+        B, n, d = h.shape[0], h.shape[1], self.head_dim
         x = F.rms_norm(h, h.shape[-1:], self.norm1, self.eps)
-        qkv = self.qkv(x)  # [1, n, (H + 2 Hkv) hd]
-        qk = qkv[..., : (self.heads + self.kv_heads) * d].view(1, n, -1, d)
+        qkv = self.qkv(x)  # [B, n, (H + 2 Hkv) hd]
+        qk = qkv[..., : (self.heads + self.kv_heads) * d].view(B, n, -1, d)
         qk = qk * cos + qk.roll(d // 2, -1) * sin  # RoPE on q and k at once
-        q = qk[:, :, : self.heads].transpose(1, 2)  # [1, H, n, hd]
-        keys[:, :, start:end] = qk[:, :, self.heads :].transpose(1, 2)
-        values[:, :, start:end] = qkv[..., (self.heads + self.kv_heads) * d :].view(1, n, -1, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                           scale=self.scale, enable_gqa=self.heads != self.kv_heads)
-        h = h + self.o(o.transpose(1, 2).reshape(1, n, -1))
+        q = qk[:, :, : self.heads].transpose(1, 2)  # [B, H, n, hd]
+        v = qkv[..., (self.heads + self.kv_heads) * d :].view(B, n, -1, d)
+        k, v = write(keys, qk[:, :, self.heads :], values, v)  # [B, Hkv, T, hd] each
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.heads != self.kv_heads)
+        h = h + self.o(o.transpose(1, 2).reshape(B, n, -1))
         gate, up = self.gate_up(F.rms_norm(h, h.shape[-1:], self.norm2, self.eps)).split(self.inter, dim=-1)
         return h + self.down(F.silu(gate) * up)
 
@@ -95,7 +107,7 @@ class LeanNet(nn.Module):
         super().__init__()
         reason = lean_unsupported(model)
         if reason is not None:
-            raise ValueError(f"the lean draft path cannot run {reason}: use the transformers forward")
+            raise ValueError(f"the lean path cannot run {reason}: use the transformers forward")
         config, base = model.config, model.model
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -110,36 +122,61 @@ class LeanNet(nn.Module):
         self.max_length = int(getattr(config, "max_position_embeddings", None) or 1 << 31)
 
 
-class LeanModel:
-    """The Model protocol over a LeanNet: preallocated KV cache, O(1) rollback."""
+class _Write:
+    """Where a forward's new keys and values go, and which cache rows its attention reads.
 
-    def __init__(self, model: nn.Module) -> None:
-        self.net = LeanNet(model.eval())
-        self.device = self.net.norm.device
-        self.dtype = self.net.norm.dtype
-        self.vocab_size, self.max_length = self.net.vocab_size, self.net.max_length
-        self._length = 0
+    One row (every single-sequence forward): a slice write and a view. Several rows: one indexed write per
+    layer at [slot_b, :, positions[b, j]], and a view of the slots when they are one range (else a gather)."""
+
+    def __init__(self, slots: list[int], start: int, positions: torch.Tensor | None, end: int) -> None:
+        self.slots, self.start, self.positions, self.end = slots, start, positions, end
+        self.first, self.last = slots[0], slots[-1] + 1
+        self.contiguous = slots == list(range(self.first, self.last))
+        self.index = None if positions is None else torch.tensor(slots, device=positions.device)
+
+    def __call__(self, keys, k_new, values, v_new):  # k_new, v_new: [B, n, Hkv, hd]
+        end = self.end
+        if self.positions is None:
+            s = self.first
+            keys[s : s + 1, :, self.start : end] = k_new.transpose(1, 2)
+            values[s : s + 1, :, self.start : end] = v_new.transpose(1, 2)
+            return keys[s : s + 1, :, :end], values[s : s + 1, :, :end]
+        rows = self.index[:, None]
+        keys[rows, :, self.positions] = k_new
+        values[rows, :, self.positions] = v_new
+        if self.contiguous:
+            return keys[self.first : self.last, :, :end], values[self.first : self.last, :, :end]
+        return keys[self.index, :, :end], values[self.index, :, :end]
+
+
+class LeanBatch:
+    """A LeanNet with `slots` sequences' KV caches: each slot its own length, rollback O(1) per slot."""
+
+    def __init__(self, net: LeanNet, slots: int) -> None:
+        self.net = net
+        self.device = net.norm.device
+        self.dtype = net.norm.dtype
+        self.vocab_size, self.max_length = net.vocab_size, net.max_length
+        self.slots = slots
+        self.lengths = [0] * slots
         self._capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)
-
-    @property
-    def length(self) -> int:
-        return self._length
 
     def _grow(self, needed: int) -> None:
         """Cache (and RoPE tables) for at least `needed` positions: doubles, copying what is held."""
         capacity = max(FIRST_CAPACITY, self._capacity)
         while capacity < needed:
             capacity *= 2
-        capacity = min(capacity, self.max_length)
-        shape = (1, self.net.kv_heads, capacity, self.net.head_dim)
+        capacity = max(needed, min(capacity, self.max_length))  # padding may reach past max_length
+        shape = (self.slots, self.net.kv_heads, capacity, self.net.head_dim)
+        held = max(self.lengths)
         grown = []
         for old in (self.keys, self.values):
             new = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in self.net.layers]
             for a, b in zip(new, old):
-                a[:, :, : self._length] = b[:, :, : self._length]
+                a[:, :, :held] = b[:, :, :held]
             grown.append(new)
         self.keys, self.values = grown
         positions = torch.arange(capacity, device=self.device).unsqueeze(0)
@@ -151,31 +188,86 @@ class LeanModel:
         self._capacity = capacity
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """tokens: [n] long on self.device -> logits [n, V] (or [1, V] with last_only)."""
-        n, start = tokens.numel(), self._length
-        end = start + n
-        if end > self.max_length:
-            raise ValueError(f"sequence of {end} tokens exceeds the model's context of {self.max_length}")
+    def forward_rows(self, slots: list[int], feeds: list[torch.Tensor], last_only: bool = False) -> list[torch.Tensor]:
+        """Append feeds[b] (1-D long, >= 1 token) to slot slots[b]'s cache, all rows in one forward; returns
+        each row's logits [n_b, V] (or [1, V] with last_only)."""
+        lengths = [self.lengths[s] for s in slots]
+        sizes = [f.numel() for f in feeds]
+        if min(sizes) < 1:
+            raise ValueError("every row of a batched forward needs at least one token")
+        n = max(sizes)
+        end = max(length + n for length in lengths)
+        too_long = max(length + size for length, size in zip(lengths, sizes))
+        if too_long > self.max_length:
+            raise ValueError(f"sequence of {too_long} tokens exceeds the model's context of {self.max_length}")
         if end > self._capacity:
             self._grow(end)
-        mask = None
-        if n > 1:  # row i sees the cache and new tokens up to itself
-            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        h = self.net.embed(tokens).unsqueeze(0)  # [1, n, D]
+        if len(slots) == 1:  # one sequence: contiguous positions, slices
+            start = lengths[0]
+            tokens, positions = feeds[0][None], None
+            cos, sin = self.cos[start:end][None], self.sin[start:end][None]  # [1, n, 1, hd]
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start) if n > 1 else None
+        else:  # row b's query j sits at position length_b + j and sees cache positions t <= it
+            start = 0
+            starts = torch.tensor(lengths, device=self.device)
+            positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, n]; padding past a row's end
+            tokens = torch.stack([f if f.numel() == n else torch.cat([f, f[-1:].expand(n - f.numel())])
+                                  for f in feeds])
+            cos, sin = self.cos[positions], self.sin[positions]  # [B, n, 1, hd]
+            mask = (torch.arange(end, device=self.device) <= positions[..., None]).unsqueeze(1)  # [B, 1, n, end]
+        write = _Write(slots, start, positions, end)
+        h = self.net.embed(tokens)  # [B, n, D]
         for layer, keys, values in zip(self.net.layers, self.keys, self.values):
-            h = layer(h, cos, sin, keys, values, start, mask)
+            h = layer(h, cos, sin, keys, values, write, mask)
         if last_only:
-            h = h[:, -1:]
+            h = h[torch.arange(len(slots), device=self.device), torch.tensor(sizes, device=self.device) - 1][:, None]
         h = F.rms_norm(h, h.shape[-1:], self.net.norm, self.net.eps)
-        self._length = end
-        return self.net.head(h)[0]
+        logits = self.net.head(h)  # [B, n or 1, V]
+        for s, size in zip(slots, sizes):
+            self.lengths[s] += size
+        return [logits[b] if last_only else logits[b, :size] for b, size in enumerate(sizes)]
+
+    def rollback(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.lengths[slot]}")
+        self.lengths[slot] = length
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot src's cache into slot dst (dst takes src's length), so that active slots stay one range."""
+        held = self.lengths[src]
+        for cache in (*self.keys, *self.values):
+            cache[dst, :, :held] = cache[src, :, :held]
+        self.lengths[dst] = held
+
+    def reset(self, slot: int | None = None) -> None:
+        """Forget one slot's cache, or all."""
+        for s in range(self.slots) if slot is None else (slot,):
+            self.lengths[s] = 0
+
+
+class LeanModel:
+    """The Model protocol (one sequence) over a LeanNet: a one-slot LeanBatch."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.net = LeanNet(model.eval())
+        self._batch = LeanBatch(self.net, 1)
+        self.device, self.dtype = self._batch.device, self._batch.dtype
+        self.vocab_size, self.max_length = self.net.vocab_size, self.net.max_length
+
+    @property
+    def length(self) -> int:
+        return self._batch.lengths[0]
+
+    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """tokens: [n] long on self.device -> logits [n, V] (or [1, V] with last_only)."""
+        if self.length + tokens.numel() > self.max_length:
+            raise ValueError(f"sequence of {self.length + tokens.numel()} tokens exceeds the model's context of "
+                             f"{self.max_length}")
+        return self._batch.forward_rows([0], [tokens], last_only)[0]
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self._length}")
-        self._length = length
+        self._batch.rollback(0, length)
 
     def reset(self) -> None:
-        self._length = 0
+        self._batch.reset()

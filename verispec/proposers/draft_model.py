@@ -32,6 +32,29 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
+def draft_token(
+    logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None, counts: torch.Tensor | None,
+    position: int, generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token [1] from draft logits [1, V] under the request's processing: the argmax (greedy;
+    q None: one-hot) or a sample from q [1, V], which is returned for the rejection sampler."""
+    if params.greedy:
+        return greedy_tokens(process_logits(logits, params, presence, counts, position)), None
+    q = probs_from_logits(logits, params, presence, counts, position)
+    return sample(q, generator), q
+
+
+def after_token(
+    presence: torch.Tensor | None, counts: torch.Tensor | None, token: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The penalties' token presence [V] and counts [V] once `token` [1] is drafted (None stays None)."""
+    if presence is not None:
+        presence = presence_rows(presence, token)[-1]
+    if counts is not None:
+        counts = count_rows(counts, token)[-1]
+    return presence, counts
+
+
 class DraftModelProposer:
     """Drafts with `model`. Its cache holds a prefix of the committed sequence (plus, mid-round, its
     own drafts); after verification it is cropped to what was committed, and the next round first
@@ -92,17 +115,11 @@ class DraftModelProposer:
         for step in range(k):
             logits = align_vocab(self.model.forward(feed, last_only=True)[-1:], self.vocab_size)  # [1, V]
             position = len(seq.generated) + step  # the target's row for this draft sees the same
-            if params.greedy:
-                token = greedy_tokens(process_logits(logits, params, presence, counts, position))  # [1]
-            else:
-                q = probs_from_logits(logits, params, presence, counts, position)  # [1, V]
-                token = sample(q, self.generator)  # [1]
-                probs.append(q)
-            if presence is not None:
-                presence = presence_rows(presence, token)[-1]
-            if counts is not None:
-                counts = count_rows(counts, token)[-1]
+            token, q = draft_token(logits, params, presence, counts, position, self.generator)
+            presence, counts = after_token(presence, counts, token)
             tokens.append(token)
+            if q is not None:
+                probs.append(q)
             feed = token
         draft_tokens = torch.cat(tokens) if tokens else seq.device_ids.new_empty(0)
         draft_probs = torch.cat(probs) if probs else None

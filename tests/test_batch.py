@@ -1,0 +1,236 @@
+"""Batched speculative decoding (verispec.batch): every sequence exact on its own, whatever its batch mates."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from stats_util import chi2_pvalue
+from test_engine import ALPHA, _exact_marginals
+from tiny import make_engine, perturbed, text_pair, tiny_qwen2
+
+import verispec
+from verispec import engine as engine_module
+from verispec.backends.lean import LeanBatch, LeanModel, LeanNet
+from verispec.batch import BatchGenerator
+from verispec.proposers import NgramProposer
+from verispec.proposers.rows import BatchDraftModel, ProposerRows
+from verispec.sampling import SamplingParams
+
+EOS = 7
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_qwen2(1, scale=3.0)
+    return target, perturbed(target, seed=2, noise=0.3)
+
+
+def make_batch(target, draft, slots, k=4, eos=(EOS,), drafter="model") -> BatchGenerator:
+    solo = make_engine(target, None, k=k, eos=eos)  # the request check a lone sequence gets
+    rows = None
+    if drafter == "model":
+        rows = BatchDraftModel(LeanBatch(LeanNet(draft), slots), target.config.vocab_size)
+    elif drafter == "ngram":
+        rows = ProposerRows(lambda: NgramProposer(max_ngram=3, min_ngram=1))
+    return BatchGenerator(LeanBatch(LeanNet(target), slots), rows, solo.prepare, k)
+
+
+def plain_greedy(target, prompt, max_new, eos=(EOS,)):
+    return make_engine(target, None, k=0, eos=eos).generate(prompt, max_new_tokens=max_new).token_ids
+
+
+def requests(n, seed):
+    """n requests of mixed prompt length, k and max_new_tokens."""
+    rng = random.Random(seed)
+    return [dict(prompt_ids=[rng.randrange(64) for _ in range(rng.randrange(2, 25))], max_new_tokens=rng.randrange(4, 30),
+                 num_draft_tokens=rng.choice([0, 1, 2, 3, 4, 6])) for _ in range(n)]
+
+
+def test_lean_batch_rows_match_one_sequence():
+    """Ragged rows in one forward (prefills of different lengths, then 1-4 new tokens each, slots out of
+    order, a slot moved): each row's logits equal its sequence run alone (fp32)."""
+    model = tiny_qwen2(3)
+    solo, batch = LeanModel(model), LeanBatch(LeanNet(model), 4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (5, 9, 3, 12)]
+    for slot, prompt in enumerate(prompts):
+        batch.forward_rows([slot], [prompt])
+    feeds = [torch.randint(0, 64, (n,), generator=gen) for n in (1, 3, 2, 4)]
+    batch.rollback(1, 7)  # a ragged rollback: slot 1 drops two prompt tokens
+    got = batch.forward_rows([2, 0, 3, 1], [feeds[2], feeds[0], feeds[3], feeds[1]])
+    for slot, logits in zip([2, 0, 3, 1], got):
+        solo.reset()
+        solo.forward(prompts[slot][:7] if slot == 1 else prompts[slot])
+        torch.testing.assert_close(logits, solo.forward(feeds[slot]), atol=1e-5, rtol=1e-4)
+    batch.move(3, 0)  # slot 0 now holds slot 3's sequence
+    last = batch.forward_rows([0, 1], [feeds[0][:1], feeds[1][:2]], last_only=True)
+    solo.reset()
+    solo.forward(torch.cat([prompts[3], feeds[3]]))
+    torch.testing.assert_close(last[0], solo.forward(feeds[0][:1]), atol=1e-5, rtol=1e-4)
+    assert last[1].shape == (1, 64) and batch.lengths[:2] == [17, 7 + 3 + 2]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 6])
+def test_greedy_batch_identical_to_plain_decoding(pair, size):
+    """B sequences of mixed prompt lengths, k (0 to 6) and lengths, some ending at EOS in different rounds:
+    each one's tokens equal plain greedy decoding of it alone."""
+    target, draft = pair
+    reqs = requests(size, seed=size)
+    reqs[0]["max_new_tokens"] = 30
+    eos = plain_greedy(target, reqs[0]["prompt_ids"], 30, eos=())[5]  # the first sequence stops at its 6th token
+    batch = make_batch(target, draft, size, eos=(eos,))
+    results = batch.run(reqs)
+    for req, result in zip(reqs, results):
+        assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"], eos=(eos,)), req
+    assert not batch.active and batch.free_slots == size
+    assert results[0].finish_reason == "stop" and len(results[0].token_ids) <= 6
+    if size >= 4:
+        assert "length" in {r.finish_reason for r in results}  # sequences left the batch for both reasons
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+def test_requests_joining_a_running_batch(pair, drafter):
+    """9 requests through 3 slots: each joins as a slot frees, into a batch mid-generation; all exact."""
+    target, draft = pair
+    reqs = requests(9, seed=11)
+    batch = make_batch(target, draft, 3, drafter=drafter)
+    for req, result in zip(reqs, batch.run(reqs)):
+        assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"])
+
+
+def test_cancel_mid_batch_leaves_the_others_exact(pair):
+    """Cancel the second of four sequences after two rounds (its slot is refilled by moving the last one):
+    the other three finish exactly; the cancelled one keeps a prefix of its own output."""
+    target, draft = pair
+    reqs = [dict(prompt_ids=[1, 2, 3, i], max_new_tokens=25, num_draft_tokens=2 + i % 3) for i in range(4)]
+    batch = make_batch(target, draft, 4, eos=())
+    handles = [batch.add(**req) for req in reqs]
+    batch.step()
+    batch.step()
+    batch.cancel(handles[1])
+    assert handles[1].done and handles[3].slot == 1 and len(batch.active) == 3
+    while batch.active:
+        batch.step()
+    for i, (req, handle) in enumerate(zip(reqs, handles)):
+        alone = plain_greedy(target, req["prompt_ids"], 25, eos=())
+        if i == 1:
+            assert 0 < len(handle.result.token_ids) < 25 and handle.result.token_ids == alone[: len(handle.result.token_ids)]
+        else:
+            assert handle.result.token_ids == alone
+
+
+def test_stops_and_logprobs_per_row(pair):
+    """A stop callback and logprobs on one row of a batch: the same as that request alone."""
+    target, draft = pair
+    stop = lambda ids: next((i + 1 for i, t in enumerate(ids) if t == 5), None)  # noqa: E731
+    solo = make_engine(target, draft, k=3, eos=(EOS,))
+    alone = solo.generate([4, 4, 9], max_new_tokens=20, stop=stop, logprobs=2)
+    batch = make_batch(target, draft, 3, k=3)
+    results = batch.run([dict(prompt_ids=[1, 2], max_new_tokens=12),
+                         dict(prompt_ids=[4, 4, 9], max_new_tokens=20, stop=stop, logprobs=2),
+                         dict(prompt_ids=[3] * 10, max_new_tokens=9)])
+    got = results[1]
+    assert got.token_ids == alone.token_ids and got.finish_reason == alone.finish_reason
+    assert [entry[1][0][0] for entry in got.logprobs] == [entry[1][0][0] for entry in alone.logprobs]
+    for (lp, top), (lp2, top2) in zip(got.logprobs, alone.logprobs):
+        assert lp == pytest.approx(lp2, abs=1e-4)
+
+
+def test_bad_requests_and_a_full_batch(pair):
+    target, draft = pair
+    batch = make_batch(target, draft, 1)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        batch.add([])
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        batch.add([1], num_draft_tokens=-1)
+    batch.add([1, 2])
+    with pytest.raises(RuntimeError, match="batch is full"):
+        batch.add([1, 2])
+
+
+# -- sampling: each row's distribution is the target's ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    target = tiny_qwen2(11, vocab_size=8, hidden=32, init=0.5)
+    return target, perturbed(target, seed=12, noise=0.5)
+
+
+ROW_PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=1.0)]
+ROW_PROMPTS = [[3, 1, 2], [5, 5], [1, 2, 3, 4, 6, 0]]
+
+
+def _batch_histograms(target, draft, n, steps, seed0):
+    """Tokens 1..steps of each of three rows decoded together (k = 2, 1, 3; their own settings and seeds)."""
+    counts = torch.zeros(len(ROW_PARAMS), steps, 8, dtype=torch.long)
+    batch = make_batch(target, draft, 3, k=2, eos=())
+    for i in range(n):
+        reqs = [dict(prompt_ids=p, params=SamplingParams(**{**params.__dict__, "seed": seed0 + 3 * i + r}),
+                     max_new_tokens=steps, num_draft_tokens=k)
+                for r, (p, params, k) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS, (2, 1, 3)))]
+        for r, result in enumerate(batch.run(reqs)):
+            for pos, tok in enumerate(result.token_ids):
+                counts[r, pos, tok] += 1
+    return counts
+
+
+def test_batch_marginals_match_target_per_row(small_vocab_pair):
+    """Three rows with different settings, prompts and k, sampled together 2000 times: tokens 1-3 of each row
+    follow that row's exact target marginals (false-failure probability 9 x ALPHA)."""
+    target, draft = small_vocab_pair
+    counts = _batch_histograms(target, draft, n=2000, steps=3, seed0=0)
+    for r, (prompt, params) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS)):
+        exact = _exact_marginals(target, prompt, params, 3)
+        for pos in range(3):
+            assert chi2_pvalue(counts[r, pos], exact[pos]) > ALPHA, (r, pos)
+
+
+def test_batch_negative_control_fails(small_vocab_pair, monkeypatch):
+    """The same test with a verifier that accepts every draft must fail."""
+    target, draft = small_vocab_pair
+
+    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+        k = draft_tokens.shape[1]
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        return torch.full((draft_tokens.shape[0],), k), bonus
+
+    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    counts = _batch_histograms(target, draft, n=1500, steps=2, seed0=0)
+    exact = _exact_marginals(target, ROW_PROMPTS[0], ROW_PARAMS[0], 2)
+    assert min(chi2_pvalue(counts[0, pos], exact[pos]) for pos in range(2)) < ALPHA
+
+
+def test_seed_reproduces_whatever_the_batch_mates(pair):
+    """A seeded sampled request with a fixed k: the same tokens alone in the batch and among three others
+    (other prompts, settings and seeds), and when it joins a batch already running."""
+    target, draft = pair
+    mine = dict(prompt_ids=[2, 9, 4], params=SamplingParams(temperature=0.9, top_p=0.9, seed=123), max_new_tokens=24,
+                num_draft_tokens=3)
+    alone = make_batch(target, draft, 1).run([mine])[0].token_ids
+    mates = [dict(prompt_ids=[i, i + 1], params=SamplingParams(temperature=1.2, seed=i), max_new_tokens=10 + i)
+             for i in range(3)]
+    assert make_batch(target, draft, 4).run([mates[0], mine, *mates[1:]])[1].token_ids == alone
+    assert make_batch(target, draft, 2).run([*mates, mine])[3].token_ids == alone  # joins mid-way
+
+
+# -- the library -------------------------------------------------------------------------------------
+
+
+def test_pipeline_generates_a_list_of_prompts():
+    """pipe.generate([...]) returns one Completion per prompt, each equal to its own generate (greedy)."""
+    target, draft, tok = text_pair()
+    pipe = verispec.load(target, draft, tokenizer=tok, k=3)
+    assert pipe.can_batch() is None
+    prompts = ["def add(a, b):", [{"role": "user", "content": "hi"}], "x = 1\ny = 2\n", list(range(40, 60))]
+    batched = pipe.generate(prompts, max_new_tokens=20, max_batch=3)
+    assert len(batched) == 4
+    for prompt, completion in zip(prompts, batched):
+        single = pipe.generate(prompt, max_new_tokens=20)
+        assert (completion.token_ids, completion.text) == (single.token_ids, single.text)
+    suffix = verispec.load(target, tokenizer=tok, drafter="hybrid", draft=draft)
+    assert "does not batch" in suffix.can_batch()
+    assert [c.token_ids for c in suffix.generate(prompts[:2], max_new_tokens=8)] == \
+        [suffix.generate(p, max_new_tokens=8).token_ids for p in prompts[:2]]

@@ -1,0 +1,240 @@
+"""Batched speculative decoding: many sequences, each round's target pass shared by all of them.
+
+A `BatchGenerator` holds up to `max_batch` requests, one per slot of a `LeanBatch` target (one padded KV
+cache, a length per slot: see verispec.backends.lean for why that layout). A round is the single-sequence
+round (verispec.engine) done for every active row at once:
+
+  each row's k policy plans its k -> the drafter drafts every row (a draft model batches its steps over the
+  rows) -> ONE target forward over every row's [last committed, d_1 .. d_k] (ragged) -> each row verified on
+  its own (its own sampling settings and generator, the same `verify`/`commit` as a lone sequence) -> each
+  slot rolled back to its committed tokens (O(1)).
+
+Requests join between rounds (`add`; their prompt is prefilled alone, before the next round) and leave when
+they finish or are cancelled; active requests are kept in the lowest slots (a leaving row's slot is filled
+by moving the last row's cache into it), so the target reads the batch's caches as one view. Exactness is
+per row: a row's tokens depend on its own prompt, settings and generator only, never on its batch mates.
+
+The k of "auto" in a batch is a fixed `BATCH_AUTO_K`: the cost-aware policy prices a lone sequence's target
+pass, and in a batch that pass is shared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.backends.lean import LeanBatch
+from verispec.engine import (
+    Committed,
+    GenerationResult,
+    StopFn,
+    TokenLogprob,
+    commit,
+    cut_at_stop,
+    verify,
+)
+from verispec.policy import FixedK, RoundReport, RoundView
+from verispec.proposers.base import Draft
+from verispec.proposers.rows import RowDrafter, no_draft
+from verispec.sampling import SamplingParams, make_generator
+from verispec.sequence import TokenSequence
+from verispec.timing import sync
+
+BATCH_AUTO_K = 4
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One sequence in a batch. `result` fills as rounds commit; `done` once it finished or was cancelled."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    policy: FixedK
+    stop: StopFn | None
+    stop_ids: frozenset[int]
+    result: GenerationResult
+    top_logprobs: int | None = None
+    done: bool = False
+    slot: int = -1
+    seq: TokenSequence | None = None
+    generator: torch.Generator | None = None
+    head: torch.Tensor | None = None  # the prefill's logits for the first new position, until the first round
+    logprobs: list[TokenLogprob] | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class BatchGenerator:
+    """Continuous batching of speculative decoding over one target and one drafter (None: plain decoding).
+    `prepare` is the single-sequence engine's request check (a SpeculativeGenerator's `prepare`), so that a
+    request means the same in a batch and alone."""
+
+    def __init__(
+        self,
+        target: LeanBatch,
+        drafter: RowDrafter | None,
+        prepare: Callable,
+        num_draft_tokens: int | str = 4,
+        max_length: int | None = None,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.prepare = prepare
+        self.num_draft_tokens = num_draft_tokens
+        self.max_batch = target.slots
+        self.max_length = min(target.max_length, max_length or target.max_length)  # the pair's context
+        self.device = target.device
+        self.active: list[BatchRequest] = []  # active[i] holds slot i
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.active)
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        num_draft_tokens: int | str | None = None,
+        stop: StopFn | None = None,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+    ) -> BatchRequest:
+        """Admit a request into a free slot and prefill its prompt (ValueError: a bad request; RuntimeError:
+        no free slot). It joins the next round."""
+        if not self.free_slots:
+            raise RuntimeError(f"the batch is full ({self.max_batch} sequences)")
+        prompt_ids, params, k, stop_ids, result = self.prepare(
+            prompt_ids, params, max_new_tokens, num_draft_tokens if num_draft_tokens is not None
+            else self.num_draft_tokens, stop_token_ids, ignore_eos, logprobs)
+        if len(prompt_ids) >= self.max_length:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_length}")
+        k = BATCH_AUTO_K if k == "auto" else k
+        if self.drafter is None:
+            k = 0
+        max_new_tokens = min(max_new_tokens, self.max_length - len(prompt_ids))
+        request = BatchRequest(prompt_ids, params, max_new_tokens, FixedK(k), stop, stop_ids, result, logprobs)
+        request.slot = len(self.active)
+        request.seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
+        request.generator = make_generator(params.seed, self.device)
+        request.logprobs = None if logprobs is None else []
+        self.target.reset(request.slot)
+        request.head = self.target.forward_rows([request.slot], [request.seq.device_ids], last_only=True)[0]
+        sync(self.device)
+        if self.drafter is not None:
+            self.drafter.start(request.slot, request.seq, params, request.generator)
+        result.stats.prefill_seconds = time.perf_counter() - request.started
+        self.active.append(request)
+        return request
+
+    def cancel(self, request: BatchRequest) -> None:
+        """Take a request out of the batch now (between rounds); its result keeps what was committed."""
+        if not request.done:
+            self._leave(request)
+
+    def _leave(self, request: BatchRequest) -> None:
+        request.done = True
+        slot, last = request.slot, len(self.active) - 1
+        if self.drafter is not None:
+            self.drafter.release(slot)
+        if slot != last:  # keep the active slots one range: the last row moves into the hole
+            moved = self.active[last]
+            self.target.move(last, slot)
+            if self.drafter is not None:
+                self.drafter.move(last, slot)
+            moved.slot = slot
+            self.active[slot] = moved
+        self.target.reset(last)
+        self.active.pop()
+
+    def step(self) -> list[tuple[BatchRequest, Committed]]:
+        """One round over every active request; returns each request's newly committed tokens (a request
+        that committed nothing, its round cut by a stop, is absent). Finished requests leave the batch."""
+        rows = list(self.active)
+        if not rows:
+            return []
+        start = time.perf_counter()
+        plans = [row.policy.choose(self._view(row)) for row in rows]
+        drafts = (self.drafter.propose([(row.slot, row.seq, plan.k) for row, plan in zip(rows, plans)])
+                  if self.drafter is not None else [no_draft(row.seq) for row in rows])
+        t_draft = time.perf_counter()
+        logits = self._score(rows, drafts)
+        out = []
+        for row, plan, draft, row_logits in zip(rows, plans, drafts, logits):
+            n, nxt = verify(row.seq, draft, row_logits, row.params, row.generator)
+            committed, accepted = commit(row.seq, draft, n, nxt, row_logits, row.params, row.logprobs,
+                                         row.top_logprobs or 0)
+            self.target.rollback(row.slot, len(row.seq) - 1)
+            drafted = draft.tokens.numel()
+            if self.drafter is not None and plan.k > 0:
+                self.drafter.observe(row.slot, row.seq, drafted, accepted)
+            end = time.perf_counter()
+            report = RoundReport(plan.k, draft.source if drafted else "", drafted, accepted, row.head is not None,
+                                 False, draft.steps, t_draft - start, end - t_draft, 0.0, 0, end - start)
+            row.head = None
+            chunk = self._finish_round(row, committed, report)
+            if chunk:
+                out.append((row, chunk))
+        for row in rows:
+            if row.done:
+                self._leave(row)
+        return out
+
+    def _view(self, row: BatchRequest) -> RoundView:
+        source = "none" if self.drafter is None else self.drafter.source(row.slot, row.seq)
+        return RoundView(row.seq, row.max_new_tokens - len(row.seq.generated) - 1, source, 0, lambda: None)
+
+    def _score(self, rows: list[BatchRequest], drafts: list[Draft]) -> list[torch.Tensor]:
+        """Every row's target logits [k_b+1, V] from ONE forward over the rows' [last, d_1 .. d_k] (a row
+        in its first round feeds only its drafts, its prefill gave the first row; with none it feeds nothing)."""
+        feeds = [d.tokens if row.head is not None else torch.cat([row.seq.device_ids[-1:], d.tokens])
+                 for row, d in zip(rows, drafts)]
+        fed = [i for i, f in enumerate(feeds) if f.numel()]
+        scored = self.target.forward_rows([rows[i].slot for i in fed], [feeds[i] for i in fed]) if fed else []
+        logits = [row.head for row in rows]
+        for i, out in zip(fed, scored):
+            logits[i] = out if rows[i].head is None else torch.cat([rows[i].head, out])
+        return logits
+
+    def _finish_round(self, row: BatchRequest, committed: list[int], report: RoundReport) -> Committed | None:
+        """Stats, stops and the end of a row's generation after its round; the tokens to hand out."""
+        stats, result, seq = row.result.stats, row.result, row.seq
+        stats.add_round(report)
+        emitted, keep = cut_at_stop(seq, committed, row.stop, row.stop_ids)
+        if keep is not None:
+            stats.cut_round(report.drafted, report.accepted, len(emitted))
+            self.target.rollback(row.slot, min(self.target.lengths[row.slot], len(seq) - 1))
+            result.finish_reason = "stop"
+            row.done = True
+        elif len(seq.generated) >= row.max_new_tokens:
+            result.finish_reason = "length"
+            row.done = True
+        result.token_ids = seq.generated
+        result.logprobs = None if row.logprobs is None else row.logprobs[: len(result.token_ids)]
+        stats.new_tokens, stats.seconds = len(result.token_ids), time.perf_counter() - row.started
+        if emitted and not stats.first_token_seconds:
+            stats.first_token_seconds = stats.seconds
+        return Committed(emitted, min(report.accepted, len(emitted))) if emitted else None
+
+    def run(self, requests: list[dict]) -> list[GenerationResult]:
+        """Generate every request (keyword arguments of `add`), at most max_batch at a time, admitting the
+        next as soon as a slot frees; results in the order of `requests`."""
+        waiting = list(enumerate(requests))
+        results: list[GenerationResult | None] = [None] * len(requests)
+        admitted: dict[int, BatchRequest] = {}
+        try:
+            while waiting or self.active:
+                while waiting and self.free_slots:
+                    index, kwargs = waiting.pop(0)
+                    admitted[index] = self.add(**kwargs)
+                self.step()
+            for index, request in admitted.items():
+                results[index] = request.result
+        finally:
+            for request in list(self.active):
+                self.cancel(request)
+        return results  # type: ignore[return-value]
