@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -48,9 +49,12 @@ def requests(n, seed):
                  num_draft_tokens=rng.choice([0, 1, 2, 3, 4, 6])) for _ in range(n)]
 
 
-def test_lean_batch_rows_match_one_sequence():
+def test_lean_batch_rows_match_one_sequence(monkeypatch):
     """Ragged rows in one forward (prefills of different lengths, then 1-4 new tokens each, slots out of
-    order, a slot moved): each row's logits equal its sequence run alone (fp32)."""
+    order, a slot moved): each row's logits equal its sequence run alone (fp32). Uninitialised memory is NaN
+    here: a row's masked positions must never bring it in (attention weighs them 0, and 0 * NaN = NaN)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan))
     model = tiny_qwen2(3)
     solo, batch = LeanModel(model), LeanBatch(LeanNet(model), 4)
     gen = torch.Generator().manual_seed(0)
@@ -234,3 +238,25 @@ def test_pipeline_generates_a_list_of_prompts():
     assert "does not batch" in suffix.can_batch()
     assert [c.token_ids for c in suffix.generate(prompts[:2], max_new_tokens=8)] == \
         [suffix.generate(p, max_new_tokens=8).token_ids for p in prompts[:2]]
+
+
+def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
+    """An int4 draft: a batch's draft step has more rows than the packed kernels' few, and must still compute
+    each row as it would alone (the packed kernels do; the bf16 fallback would change q, and the draws). A
+    near-uniform model, where any change of q changes the seeded draws."""
+    from verispec.quant import quantize_model
+
+    target, draft, _ = text_pair()
+    net = LeanNet(draft)
+    quantize_model(net, "int4")
+    solo = make_engine(target, None, k=3, eos=())
+
+    def batch(slots):
+        return BatchGenerator(LeanBatch(LeanNet(target), slots), BatchDraftModel(LeanBatch(net, slots), 264),
+                              solo.prepare, 3)
+
+    mine = dict(prompt_ids=[5, 6, 7], params=SamplingParams(temperature=1.0, seed=9), max_new_tokens=24)
+    alone = batch(1).run([mine])[0].token_ids
+    mates = [dict(prompt_ids=[i + 1] * (i + 2), params=SamplingParams(temperature=0.0), max_new_tokens=30)
+             for i in range(5)]
+    assert batch(6).run([*mates, mine])[5].token_ids == alone

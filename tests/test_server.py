@@ -198,17 +198,20 @@ def test_disconnect_cancels_running_request(server, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_disconnect_frees_queued_request(server, stream):
-    """A queued request whose client leaves frees its queue slot at once and never generates a token."""
-    running = _post_raw(server.url, LONG)
-    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["busy"])
+    """A queued request whose client leaves (every batch slot is taken) frees its queue slot at once and
+    never generates a token."""
+    slots = httpx.get(server.url + "/v1/models").json()["data"][0]["verispec"]["max_batch"]
+    running = [_post_raw(server.url, LONG | {"prompt": f"run {i}"}) for i in range(slots)]
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["running"] == slots)
     cancelled = metric(server.url, "verispec_cancelled_requests_total")
     queued = _post_raw(server.url, LONG | {"stream": stream, "prompt": "queued"})
     assert _wait_for(lambda: httpx.get(server.url + "/health").json()["queue_length"] == 1)
     queued.close()
     assert _wait_for(lambda: httpx.get(server.url + "/health").json()["queue_length"] == 0, timeout=3)
-    assert httpx.get(server.url + "/health").json()["busy"]  # the running one is still running
+    assert httpx.get(server.url + "/health").json()["running"] == slots  # the running ones still run
     assert metric(server.url, "verispec_cancelled_requests_total") == cancelled + 1
-    running.close()
+    for sock in running:
+        sock.close()
     assert _wait_for(lambda: httpx.get(server.url + "/health").json()["busy"] is False, timeout=5)
 
 
@@ -229,7 +232,8 @@ def test_api_key_queue_limit_and_graceful_shutdown(pair_dirs):
     requests 503 at once and the server exits 0 once the running one is gone."""
     target, draft = pair_dirs
     srv = ServerProcess(["--target", target, "--draft", draft, "--dtype", "fp32", "--served-model-name", MODEL,
-                         "--max-queue", "2", "--max-tokens-cap", "4000"], env={"VERISPEC_API_KEY": "sekret"})
+                         "--max-queue", "2", "--max-tokens-cap", "4000", "--max-batch", "1"],
+                        env={"VERISPEC_API_KEY": "sekret"})
     try:
         body = {"model": MODEL, "prompt": "q", "max_tokens": 100, "temperature": 0, "num_draft_tokens": 0}
         assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401
@@ -381,3 +385,45 @@ def test_allowed_hosts_follow_the_bind_address():
     assert _is_loopback("localhost") and _is_loopback("::1") and not _is_loopback("192.168.0.4")
     assert [host_name(h) for h in ("127.0.0.1:8000", "[::1]:8000", "LOCALHOST", "::1")] == [
         "127.0.0.1", "::1", "localhost", "::1"]
+
+
+def test_concurrent_requests_share_rounds_and_stay_exact(server, client):
+    """Eight concurrent requests (greedy with stops and different lengths, seeded sampling, streaming or not)
+    on a server that batches 4: each answer equals the same request sent alone, and requests did run together;
+    a client that leaves mid-batch takes nothing from the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    slots = httpx.get(server.url + "/v1/models").json()["data"][0]["verispec"]["max_batch"]
+    assert slots == 4
+    bodies = [dict(model=MODEL, prompt=f"request {i}: " + "ab" * i, max_tokens=8 + 5 * i, temperature=0,
+                   extra_body={"num_draft_tokens": i % 4}, stop=["zz"] if i % 2 else None) for i in range(6)]
+    bodies += [dict(model=MODEL, prompt="seeded", max_tokens=20, temperature=1.0, top_p=0.9, seed=s,
+                    extra_body={"num_draft_tokens": 3}) for s in (5, 6)]
+
+    def ask(body, stream=False):
+        if not stream:
+            return client.completions.create(**body).choices[0].text
+        return "".join(c.choices[0].text for c in client.completions.create(**body, stream=True) if c.choices)
+
+    alone = [ask(b) for b in bodies]
+    seen = []
+    watching = threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            seen.append(httpx.get(server.url + "/health").json()["running"])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    leaver = _post_raw(server.url, LONG | {"stream": True, "prompt": "leaves"})
+    try:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = list(pool.map(ask, bodies, [i % 2 == 0 for i in range(len(bodies))]))
+    finally:
+        leaver.close()
+        watching.set()
+        watcher.join()
+    assert together == alone
+    assert max(seen) >= 2, seen
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["busy"] is False, timeout=5)

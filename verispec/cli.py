@@ -22,6 +22,7 @@ from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
 # verispec.build.DRAFTERS, without importing torch to parse flags (a test checks they agree)
 DRAFTER_NAMES = ("model", "ngram", "suffix", "hybrid", "hybrid-suffix")
 FREE_DRAFTERS = ("ngram", "suffix")  # the drafters that take no draft model
+DEFAULT_MAX_BATCH = 4  # serve --max-batch: see docs/performance.md (batched serving)
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -590,7 +591,10 @@ def cmd_serve(args) -> int:
     settings = ServerSettings(model_names=names, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                               max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
                               max_body_bytes=args.max_body_bytes, api_key=api_key, allowed_hosts=hosts,
-                              enable_docs=args.enable_docs, max_in_flight=args.limit_concurrency)
+                              enable_docs=args.enable_docs, max_in_flight=args.limit_concurrency,
+                              max_batch=args.max_batch)
+    if args.max_batch > 1 and pipe.can_batch() is not None:
+        print(f"verispec serve: one request at a time: {pipe.can_batch()}", file=sys.stderr, flush=True)
     app = create_app(pipe, settings)
     print(f"verispec serve: {', '.join(names)} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # uvicorn counts a connection and its task, and answers its own limit in plain text: a backstop above ours
@@ -792,6 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", help="the model name clients use; the target's name is always "
                                                 "accepted (default: none besides it)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429")
+    sv.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
+                    help="requests decoded together, each round's target pass shared (continuous batching; "
+                         "transformers backend with the model, ngram or suffix drafter, else one at a time)")
     sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
     sv.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
     sv.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens of a request that sets none")

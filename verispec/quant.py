@@ -5,11 +5,13 @@ uses the target's full-precision p, and q is whatever distribution the (quantise
 On CPU the matmuls run in PyTorch's packed kernels (`_weight_int8pack_mm`: int8 weights with per-output-
 channel scales; `_weight_int4pack_mm_for_cpu`: 4-bit weights with a scale and offset per group of
 INT4_GROUP input channels); elsewhere the weights are dequantised on the fly.
-The packed kernels are matrix-vector kernels: their cost grows with the rows (past a few rows they are
-slower than bf16, whose cost barely moves up to ~16 rows). So on CPU a quantised layer keeps its bf16
-weights too and uses them for batches over PACKED_MAX_ROWS rows (prefill, catch-up): decoding runs at int
-speed, prefill at bf16 speed, at the price of the extra memory. The rows chosen never change which
-distribution is verified: q is whatever the draft computed.
+The packed kernels are matrix-vector kernels: their cost grows with the rows, bf16's barely does up to ~16
+rows. So on CPU a quantised layer keeps its bf16 weights too and uses them for batches over
+PACKED_MAX_ROWS rows (prefill, catch-up): decoding runs at int speed, prefill at bf16 speed, at the price of
+the extra memory. PACKED_MAX_ROWS covers a batched draft step (verispec.batch: up to two rows per sequence
+of a batch of 8) because the packed kernels compute each row alone, bitwise the same whatever the other
+rows: a sequence's q, and so its seeded draws, never depend on its batch mates. The rows chosen never
+change which distribution is verified: q is whatever the draft computed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch.nn import functional as F
 
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 32  # input channels sharing one scale/offset (the kernel takes 32, 64, 128 or 256)
-PACKED_MAX_ROWS = 4  # larger batches use the bf16 weights (see above)
+PACKED_MAX_ROWS = 16  # larger batches use the bf16 weights (see above)
 
 
 class _PackedLinear(nn.Module):

@@ -174,7 +174,8 @@ class LeanBatch:
         held = max(self.lengths)
         grown = []
         for old in (self.keys, self.values):
-            new = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in self.net.layers]
+            # zeros, not empty: a row's masked positions still meet the values (weight 0), and 0 * NaN = NaN
+            new = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.net.layers]
             for a, b in zip(new, old):
                 a[:, :, :held] = b[:, :, :held]
             grown.append(new)

@@ -76,10 +76,11 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")  # "*": any Host header
     enable_docs: bool = False
     max_in_flight: int = 256  # requests handled at once (streams included); beyond it 429
+    max_batch: int = 1  # sequences decoded together (continuous batching), where the pipeline can batch
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens", "max_body_bytes",
-                     "max_in_flight"):
+                     "max_in_flight", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.allowed_hosts:
@@ -133,7 +134,7 @@ def parse_body(raw: bytes, model_cls):
 
 def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     metrics = Metrics()
-    worker = Worker(pipeline, settings.max_queue, metrics)
+    worker = Worker(pipeline, settings.max_queue, metrics, settings.max_batch)
     speculative = pipeline.draft is not None
     n_ctx = context_length(pipeline)
     vocab_size = pipeline.generator.target.vocab_size
@@ -401,6 +402,9 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
         return await _serve(request, req, _job(req, prompt_ids), chat=False)
 
     setup = pipeline.setup()  # an extension field: what runs (backend, drafter, k) and why
+    setup["max_batch"] = worker.max_batch
+    if settings.max_batch > 1 and worker.max_batch == 1:
+        setup["batching"] = f"one request at a time: {pipeline.can_batch()}"
 
     @app.get("/v1/models")
     async def list_models():
@@ -424,7 +428,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     async def health():
         alive = worker.alive
         body = {"status": "ok" if alive else "unhealthy", "queue_length": len(worker.jobs),
-                "busy": worker.current is not None}
+                "busy": worker.current is not None, "running": len(worker.running)}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")

@@ -1,9 +1,15 @@
-"""One thread owns the model pair and runs generations one at a time from a bounded queue.
+"""One thread owns the model pair and runs generations from a bounded queue: one at a time, or (max_batch
+> 1, on a pipeline that can batch) continuously batched.
 
 The asyncio side submits a Job and reads its events (deltas: `verispec.provenance.Piece`s, text with its
-tokens' provenance; then done or error) from an asyncio queue fed thread-safely. A cancelled job (client gone, shutdown) leaves the queue at once if it is still
-waiting, and stops at the next round boundary if it is running, which leaves the engine's caches consistent.
-If the thread itself dies, every job it held or would have run gets an error event: nobody waits forever.
+tokens' provenance; then done or error) from an asyncio queue fed thread-safely. A cancelled job (client
+gone, shutdown) leaves the queue at once if it is still waiting, and stops at the next round boundary if it
+is running, which leaves the engine's caches consistent. If the thread itself dies, every job it held or
+would have run gets an error event: nobody waits forever.
+
+Batched (verispec.batch): between two rounds, waiting jobs take every free slot (so a job waits at most one
+round once a slot is free), cancelled jobs leave, and then one round runs for all; a job's events are the
+same as when it runs alone.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from verispec.engine import GenerationResult
 from verispec.pipeline import Pipeline
 from verispec.sampling import SamplingParams
 from verispec.provenance import ProvenanceText
+
+
+EMPTY = "empty"  # JobQueue.get(block=False) with nothing waiting
 
 
 class QueueFull(Exception):
@@ -71,9 +80,12 @@ class JobQueue:
             self._jobs.append(job)
             self._ready.notify()
 
-    def get(self) -> Job | None:
+    def get(self, block: bool = True) -> Job | None | str:
+        """The next job (None: stop); with block=False, EMPTY when none is waiting."""
         with self._ready:
             while not self._jobs:
+                if not block:
+                    return EMPTY
                 self._ready.wait()
             return self._jobs.popleft()
 
@@ -92,18 +104,35 @@ class JobQueue:
             return jobs
 
 
+@dataclass
+class _Running:
+    """A job that is generating: its text so far and when its first token came."""
+
+    job: Job
+    text: ProvenanceText
+    started: float
+    first: float | None = None
+
+
 class Worker:
-    def __init__(self, pipeline: Pipeline, max_queue: int, metrics) -> None:
+    def __init__(self, pipeline: Pipeline, max_queue: int, metrics, max_batch: int = 1) -> None:
         self.pipeline = pipeline
         self.metrics = metrics
         self.jobs = JobQueue(max_queue)
-        self.current: Job | None = None
+        self.max_batch = max_batch if max_batch > 1 and pipeline.can_batch() is None else 1
+        self.running: list[Job] = []
         self._thread = threading.Thread(target=self._run, name="verispec-worker", daemon=True)
         self._stopping = False
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def current(self) -> Job | None:
+        """A running job (None: none is running)."""
+        running = self.running
+        return running[0] if running else None
 
     def start(self) -> None:
         self._thread.start()
@@ -131,25 +160,27 @@ class Worker:
         self._update_gauges()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Refuse queued jobs, cancel the running one, and join the thread."""
+        """Refuse queued jobs, cancel the running ones, and join the thread."""
         self.refuse_waiting("the server is shutting down")
-        current = self.current
-        if current is not None:
-            current.cancelled.set()
+        for job in list(self.running):
+            job.cancelled.set()
         self.jobs.put(None)
         self._thread.join(timeout)
 
     def _update_gauges(self) -> None:
         self.metrics.waiting.set(len(self.jobs))
-        self.metrics.running.set(self.current is not None)
+        self.metrics.running.set(len(self.running))
 
     def _run(self) -> None:
         try:
+            if self.max_batch > 1:
+                self._run_batched()
+                return
             while True:
                 job = self.jobs.get()
                 if job is None:
                     return
-                self.current = job
+                self.running = [job]
                 self._update_gauges()
                 try:
                     self._generate(job)
@@ -159,43 +190,46 @@ class Worker:
                     job.emit("unavailable", "the model worker stopped unexpectedly")
                     raise
                 finally:
-                    self.current = None
+                    self.running = []
                     self._update_gauges()
         finally:  # also when the thread dies of a BaseException: nobody may wait for it
             self.refuse_waiting("the server is shutting down" if self._stopping
                                 else "the model worker stopped unexpectedly")
 
-    def _generate(self, job: Job) -> None:
-        engine, metrics = self.pipeline.generator, self.metrics
+    # -- one job's life, alone or in a batch -----------------------------------------------------------
+
+    def _begin(self, job: Job) -> _Running | None:
+        """A job leaves the queue to run (None: it was cancelled meanwhile, and is answered)."""
         if job.cancelled.is_set():  # cancelled between leaving the queue and starting
-            metrics.cancelled.inc()
+            self.metrics.cancelled.inc()
             job.emit("cancelled")
-            return
+            return None
         started = time.perf_counter()
-        metrics.queue_time.observe(started - job.submitted)
-        text = ProvenanceText(self.pipeline.tokenizer, job.stop)
-        generation = engine.stream(job.prompt_ids, job.params, job.max_tokens, job.num_draft_tokens,
-                                   stop=text.assembler.stop_index if job.stop else None,
-                                   stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos,
-                                   logprobs=job.logprobs)
-        first = None
-        try:
-            for chunk in generation:
-                was_cancelled = job.cancelled.is_set()  # the round ran after the client left
-                metrics.tokens.inc(len(chunk))
-                if was_cancelled:
-                    metrics.tokens_after_cancel.inc(len(chunk))
-                    break
-                if first is None:
-                    first = time.perf_counter()
-                    metrics.time_to_first_token.observe(first - job.submitted)
-                metrics.acceptance_length.observe(len(chunk))
-                piece = text.push(chunk)
-                if piece is not None:
-                    job.emit("delta", piece)
-        finally:
-            generation.close()
-        result = generation.result
+        self.metrics.queue_time.observe(started - job.submitted)
+        return _Running(job, ProvenanceText(self.pipeline.tokenizer, job.stop), started)
+
+    def _stop_fn(self, run: _Running):
+        return run.text.assembler.stop_index if run.job.stop else None
+
+    def _deliver(self, run: _Running, chunk) -> bool:
+        """Hand a round's committed tokens to the job's client; False when the client had already left."""
+        job, metrics = run.job, self.metrics
+        metrics.tokens.inc(len(chunk))
+        if job.cancelled.is_set():  # the round ran after the client left
+            metrics.tokens_after_cancel.inc(len(chunk))
+            return False
+        if run.first is None:
+            run.first = time.perf_counter()
+            metrics.time_to_first_token.observe(run.first - job.submitted)
+        metrics.acceptance_length.observe(len(chunk))
+        piece = run.text.push(chunk)
+        if piece is not None:
+            job.emit("delta", piece)
+        return True
+
+    def _end(self, run: _Running, result: GenerationResult) -> None:
+        """The job's generation ended (finished, or stopped because its client left): answer it."""
+        job, metrics, text = run.job, self.metrics, run.text
         job.result, job.text = result, text.text
         stats = result.stats
         metrics.drafted.inc(stats.drafted)
@@ -209,7 +243,87 @@ class Worker:
             job.emit("delta", rest)
         job.text = text.text
         end = time.perf_counter()
-        if first is not None and stats.new_tokens > 1:  # decoding only: the prefill is in time to first token
-            metrics.time_per_token.observe((end - first) / (stats.new_tokens - 1))
+        if run.first is not None and stats.new_tokens > 1:  # decoding only: the prefill is in time to first token
+            metrics.time_per_token.observe((end - run.first) / (stats.new_tokens - 1))
         metrics.e2e.observe(end - job.submitted)
         job.emit("done", result)
+
+    def _generate(self, job: Job) -> None:
+        run = self._begin(job)
+        if run is None:
+            return
+        generation = self.pipeline.generator.stream(
+            job.prompt_ids, job.params, job.max_tokens, job.num_draft_tokens, stop=self._stop_fn(run),
+            stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos, logprobs=job.logprobs)
+        try:
+            for chunk in generation:
+                if not self._deliver(run, chunk):
+                    break
+        finally:
+            generation.close()
+        self._end(run, generation.result)
+
+    # -- continuous batching ---------------------------------------------------------------------------
+
+    def _run_batched(self) -> None:
+        batch = self.pipeline.batch(self.max_batch)
+        runs: dict[object, _Running] = {}  # BatchRequest -> its job
+        stopping = False
+        while True:
+            while batch.free_slots and not stopping:  # every free slot takes a waiting job, before the round
+                job = self.jobs.get(block=not runs)
+                if job is EMPTY:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                self._admit(batch, job, runs)
+            for request, run in list(runs.items()):
+                if run.job.cancelled.is_set():  # its client left: out of the batch before the round
+                    batch.cancel(request)
+                    self._close(request, run, runs)
+            if not runs:
+                if stopping:
+                    return
+                continue
+            try:
+                chunks = batch.step()
+            except Exception as exc:  # the batch is lost, the server is not: answer its jobs, start afresh
+                for request, run in list(runs.items()):
+                    run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
+                    batch.cancel(request)
+                    runs.pop(request)
+                self.running = []
+                self._update_gauges()
+                continue
+            except BaseException:
+                for run in runs.values():
+                    run.job.emit("unavailable", "the model worker stopped unexpectedly")
+                raise
+            for request, chunk in chunks:
+                if not self._deliver(runs[request], chunk):
+                    batch.cancel(request)
+            for request, run in list(runs.items()):
+                if request.done:
+                    self._close(request, run, runs)
+
+    def _admit(self, batch, job: Job, runs: dict) -> None:
+        run = self._begin(job)
+        if run is None:
+            return
+        try:
+            request = batch.add(job.prompt_ids, job.params, job.max_tokens, job.num_draft_tokens,
+                                stop=self._stop_fn(run), stop_token_ids=job.stop_token_ids,
+                                ignore_eos=job.ignore_eos, logprobs=job.logprobs)
+        except Exception as exc:
+            job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        runs[request] = run
+        self.running = [r.job for r in runs.values()]
+        self._update_gauges()
+
+    def _close(self, request, run: _Running, runs: dict) -> None:
+        runs.pop(request)
+        self.running = [r.job for r in runs.values()]
+        self._update_gauges()
+        self._end(run, request.result)
