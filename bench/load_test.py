@@ -3,8 +3,9 @@
 the valid ones dropped mid-way (streaming and not), then a burst that must provoke 429s, then 1,000 unknown
 paths. Checks: no 5xx at all, every malformed request a 4xx, every kept valid request completes (a stream
 only with its final chunk and [DONE], never after an error event), outputs equal to the same requests run
-solo afterwards (greedy: identical; seeded sampling too, the worker being serial), the Prometheus series
-count unchanged by the unknown paths, server RSS growth under 5% between the 200th and the last request.
+solo afterwards (greedy: identical; seeded sampling counted, the same up to the rounding of a batch), the
+Prometheus series count unchanged by the unknown paths, server RSS growth under 5% between the 200th and the
+last request. The server batches as its `--max-batch` default says unless `--max-batch` is given.
 Bounded in count and time; 127.0.0.1 only.
 
     python bench/load_test.py --target DIR --draft DIR [--requests 1000 --concurrency 16]
@@ -44,6 +45,7 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
            "--target", args.target, "--dtype", args.dtype, "--served-model-name", args.model,
            "--max-queue", str(args.max_queue)]
     cmd += ["--draft", args.draft] if args.draft else ["--no-speculation"]
+    cmd += ["--max-batch", str(args.max_batch)] if args.max_batch else []
     proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -303,6 +305,7 @@ def main() -> int:
     p.add_argument("--max-queue", type=int, default=20, help="the server's queue (above the concurrency: "
                                                              "429s come only from the burst)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-batch", type=int, help="the server's --max-batch (default: its own)")
     p.add_argument("--drop-max-tokens", type=int, default=400, help="max_tokens of the requests dropped mid-way")
     p.add_argument("--drop-after-s", type=float, default=0.3, help="a dropped non-streaming request leaves after")
     p.add_argument("--solo-checks", type=int, default=100, help="completed requests re-run alone and compared")

@@ -12,6 +12,7 @@ from test_engine import ALPHA, _exact_marginals
 from tiny import make_engine, perturbed, text_pair, tiny_qwen2
 
 import verispec
+from verispec import batch as batch_module
 from verispec import engine as engine_module
 from verispec.backends.lean import LeanBatch, LeanModel, LeanNet
 from verispec.batch import BatchGenerator
@@ -140,6 +141,35 @@ def test_stops_and_logprobs_per_row(pair):
     assert [entry[1][0][0] for entry in got.logprobs] == [entry[1][0][0] for entry in alone.logprobs]
     for (lp, top), (lp2, top2) in zip(got.logprobs, alone.logprobs):
         assert lp == pytest.approx(lp2, abs=1e-4)
+
+
+def test_a_failed_round_leaves_a_clean_batch(pair, monkeypatch):
+    """A round that fails half-way (the second row's commit raises after the first row finished): cancel still
+    takes every row out (also one already marked done), abort empties the batch, and it decodes exactly again."""
+    target, draft = pair
+    batch = make_batch(target, draft, 2, eos=())
+    first = batch.add([1, 2], max_new_tokens=1)  # finishes in its first round
+    second = batch.add([3, 4], max_new_tokens=10)
+    real, calls = batch_module.commit, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*args)
+
+    monkeypatch.setattr(batch_module, "commit", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        batch.step()
+    assert first.done  # marked done by its round, still holding its slot
+    batch.cancel(first)
+    assert batch.active == [second] and second.slot == 0
+    batch.abort()
+    assert not batch.active and batch.free_slots == 2 and second.done
+    monkeypatch.undo()
+    reqs = requests(3, seed=5)
+    for req, result in zip(reqs, batch.run(reqs)):
+        assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"], eos=())
 
 
 def test_bad_requests_and_a_full_batch(pair):

@@ -25,7 +25,7 @@ def test_int4_linear_matches_its_dequantized_weights(dtype):
     ref = x.float() @ _dequantized_int4(layer, linear).T + linear.bias.float()
     y = layer(x)
     assert y.shape == (2, 2, 96) and y.dtype == dtype
-    tol = 0.05 if dtype == torch.bfloat16 else 1e-3
+    tol = 0.05  # the packed CPU kernels compute in bf16 whatever the layer's dtype
     assert torch.allclose(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
     # 4 bits are coarse: the layer is close to the original, not equal to it
     err = (y.float() - linear(x).float()).abs().max() / linear(x).float().abs().max()

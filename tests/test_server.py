@@ -273,7 +273,7 @@ def test_api_key_queue_limit_and_graceful_shutdown(pair_dirs):
         srv.stop()
 
 
-def _in_process_app(target_dir: str, tokenizer=None):
+def _in_process_app(target_dir: str, tokenizer=None, max_batch: int = 1):
     """The app over a plain (no draft) pipeline of the tiny target, for tests that patch its parts."""
     from tiny import byte_tokenizer
     from transformers import AutoModelForCausalLM
@@ -283,7 +283,7 @@ def _in_process_app(target_dir: str, tokenizer=None):
 
     model = AutoModelForCausalLM.from_pretrained(target_dir).float().eval()
     pipeline = verispec.load(model, tokenizer=tokenizer or byte_tokenizer(), drafter=None)
-    return pipeline.generator, create_app(pipeline, ServerSettings(model_names=(MODEL,)))
+    return pipeline.generator, create_app(pipeline, ServerSettings(model_names=(MODEL,), max_batch=max_batch))
 
 
 def _in_process_client(app):
@@ -349,6 +349,38 @@ def test_dead_worker_is_reported(pair_dirs, monkeypatch):
             assert health.status_code == 503 and health.json()["status"] == "unhealthy"
             r = await client.post("/v1/completions", json=body | {"stream": False})
             assert r.status_code == 503 and r.json()["error"]["code"] == "server_unavailable"
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_batch_round_answers_its_jobs_and_serving_goes_on(pair_dirs, monkeypatch):
+    """A batched round that raises: its job gets an error event (no hang), the batch starts afresh, /health
+    stays ok and the next request is answered in full."""
+    import asyncio
+
+    from verispec.batch import BatchGenerator
+
+    _, app = _in_process_app(pair_dirs[0], max_batch=2)
+    real, calls = BatchGenerator.step, []
+
+    def failing(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(self)
+
+    monkeypatch.setattr(BatchGenerator, "step", failing)
+
+    async def scenario():
+        async with app.router.lifespan_context(app), _in_process_client(app) as client:
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}
+            r = await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=10)
+            events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            assert '"error"' in events[-2] and "boom" in events[-2] and events[-1] == "data: [DONE]"
+            r = await asyncio.wait_for(client.post("/v1/completions", json=body | {"stream": False}), timeout=10)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            health = await client.get("/health")
+            assert health.status_code == 200 and health.json()["running"] == 0
 
     asyncio.run(scenario())
 

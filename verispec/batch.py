@@ -133,8 +133,17 @@ class BatchGenerator:
 
     def cancel(self, request: BatchRequest) -> None:
         """Take a request out of the batch now (between rounds); its result keeps what was committed."""
-        if not request.done:
+        if any(row is request for row in self.active):
             self._leave(request)
+
+    def abort(self) -> None:
+        """Drop every request and every slot's cache (after a round failed half-way: no cache is trusted)."""
+        for request in self.active:
+            request.done = True
+        self.active = []
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def _leave(self, request: BatchRequest) -> None:
         request.done = True

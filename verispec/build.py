@@ -645,7 +645,7 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
 
 
 BATCH_DRAFTERS = ("model", "ngram", "suffix")  # the drafters a batch runs (verispec.batch)
-_LEAN_TARGETS: "weakref.WeakKeyDictionary[Any, LeanNet]" = weakref.WeakKeyDictionary()
+_LEAN_NETS: "weakref.WeakKeyDictionary[Any, LeanNet]" = weakref.WeakKeyDictionary()  # transformers model -> its net
 
 
 def batch_unsupported(pipe: Pipeline) -> str | None:
@@ -666,12 +666,13 @@ def batch_unsupported(pipe: Pipeline) -> str | None:
 
 
 def _lean_net(model: Model) -> LeanNet:
-    """The LeanNet of a transformers-backed Model (built once per model: it fuses weights of its own)."""
+    """The LeanNet of a transformers-backed Model, built once per transformers model: it holds fused copies of
+    the q/k/v and gate/up weights (about 60% of the model's weights more in memory)."""
     if isinstance(model, LeanModel):
         return model.net
-    if model not in _LEAN_TARGETS:
-        _LEAN_TARGETS[model] = LeanNet(model.model)
-    return _LEAN_TARGETS[model]
+    if model.model not in _LEAN_NETS:
+        _LEAN_NETS[model.model] = LeanNet(model.model)
+    return _LEAN_NETS[model.model]
 
 
 def batch_generator(pipe: Pipeline, max_batch: int) -> BatchGenerator:
@@ -722,7 +723,8 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
 
 __all__ = [
     "BACKENDS", "DEFAULTS", "DRAFTERS", "Backend", "Defaults", "DraftSpec", "Drafter", "LoadRequest", "Machine",
-    "ModelStore", "SpecError", "TargetSpec", "batch_generator", "batch_unsupported", "build", "check_specs", "choose_backend", "choose_draft_quant",
+    "ModelStore", "SpecError", "TargetSpec", "batch_generator", "batch_unsupported", "build", "check_specs",
+    "choose_backend", "choose_draft_quant",
     "default_drafter", "default_k", "default_refs", "describe_machine", "load", "resolve", "resolve_backends",
     "resolve_target_backend", "warm_up",
 ]

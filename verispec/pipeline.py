@@ -280,6 +280,8 @@ class Pipeline:
         texts = [ProvenanceText(self.tokenizer, stops) for _ in prompts]
         requests = [dict(prompt_ids=self.encode(p), params=params, max_new_tokens=max_new, num_draft_tokens=k,
                          stop=text.assembler.stop_index if stops else None) for p, text in zip(prompts, texts)]
+        for request in requests:  # a bad prompt fails before any is generated
+            self.generator.prepare(request["prompt_ids"], params, max_new, k, (), False, None)
         batch = self.batch(min(max_batch, len(prompts)) or 1)
         pending, admitted = list(enumerate(requests)), {}
         try:

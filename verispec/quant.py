@@ -4,13 +4,14 @@ Draft precision changes only how often drafts are accepted, never the output dis
 uses the target's full-precision p, and q is whatever distribution the (quantised) draft sampled from.
 On CPU the matmuls run in PyTorch's packed kernels (`_weight_int8pack_mm`: int8 weights with per-output-
 channel scales; `_weight_int4pack_mm_for_cpu`: 4-bit weights with a scale and offset per group of
-INT4_GROUP input channels); elsewhere the weights are dequantised on the fly.
+INT4_GROUP input channels), always with bf16 activations (their float32 path is 10-30x slower; a float32
+draft casts its rows to bf16 and back); elsewhere the weights are dequantised on the fly.
 The packed kernels are matrix-vector kernels: their cost grows with the rows, bf16's barely does up to ~16
 rows. So on CPU a quantised layer keeps its bf16 weights too and uses them for batches over
 PACKED_MAX_ROWS rows (prefill, catch-up): decoding runs at int speed, prefill at bf16 speed, at the price of
-the extra memory. PACKED_MAX_ROWS covers a batched draft step (verispec.batch: up to two rows per sequence
-of a batch of 8) because the packed kernels compute each row alone, bitwise the same whatever the other
-rows: a sequence's q, and so its seeded draws, never depend on its batch mates. The rows chosen never
+the extra memory. A batched draft step (verispec.batch) runs in forwards of at most PACKED_MAX_ROWS rows,
+because the packed kernels compute each row alone, bitwise the same whatever the other rows: a sequence's
+q, and so its seeded draws, never depend on its batch mates. The rows chosen never
 change which distribution is verified: q is whatever the draft computed.
 """
 
@@ -46,7 +47,9 @@ class _PackedLinear(nn.Module):
         if self.dense is not None and flat.shape[0] > PACKED_MAX_ROWS:
             y = F.linear(flat, self.dense, self.bias)
         else:
-            y = self._packed(flat)
+            # the packed CPU kernels' float32 path is 10-30x slower than their bf16 one: compute in bf16
+            packed_dtype = torch.bfloat16 if flat.device.type == "cpu" else flat.dtype
+            y = self._packed(flat.to(packed_dtype)).to(flat.dtype)
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)

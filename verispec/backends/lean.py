@@ -254,7 +254,15 @@ class LeanModel:
         self.net = LeanNet(model.eval())
         self._batch = LeanBatch(self.net, 1)
         self.device, self.dtype = self._batch.device, self._batch.dtype
-        self.vocab_size, self.max_length = self.net.vocab_size, self.net.max_length
+        self.vocab_size = self.net.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self._batch.max_length
+
+    @max_length.setter
+    def max_length(self, value: int) -> None:
+        self._batch.max_length = value
 
     @property
     def length(self) -> int:
@@ -262,9 +270,6 @@ class LeanModel:
 
     def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """tokens: [n] long on self.device -> logits [n, V] (or [1, V] with last_only)."""
-        if self.length + tokens.numel() > self.max_length:
-            raise ValueError(f"sequence of {self.length + tokens.numel()} tokens exceeds the model's context of "
-                             f"{self.max_length}")
         return self._batch.forward_rows([0], [tokens], last_only)[0]
 
     def rollback(self, length: int) -> None:

@@ -18,6 +18,7 @@ import torch
 from verispec.backends.lean import LeanBatch
 from verispec.proposers.base import Draft, Proposer
 from verispec.proposers.draft_model import after_token, align_vocab, draft_token
+from verispec.quant import PACKED_MAX_ROWS
 from verispec.sampling import SamplingParams, token_counts
 from verispec.sequence import TokenSequence
 
@@ -47,6 +48,9 @@ class RowDrafter(Protocol):
 
     def release(self, slot: int) -> None:
         """The slot's sequence is done."""
+
+    def reset(self) -> None:
+        """Forget every slot."""
 
 
 class BatchDraftModel:
@@ -92,7 +96,7 @@ class BatchDraftModel:
             state[i] = (presence, counts, [], [])
         step = 0
         while live:
-            logits = self.model.forward_rows([rows[i][0] for i in live], [feeds[i] for i in live], last_only=True)
+            logits = self._step([rows[i][0] for i in live], [feeds[i] for i in live])
             for i, row_logits in zip(live, logits):
                 slot, seq, _ = rows[i]
                 params, generator = self._settings[slot]
@@ -112,6 +116,17 @@ class BatchDraftModel:
             drafts[i] = Draft(torch.cat(tokens), torch.cat(probs) if probs else None, "model", len(tokens))
         return drafts
 
+    def _step(self, slots: list[int], feeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One draft step over the rows, in forwards of at most PACKED_MAX_ROWS token rows: a quantised
+        draft's packed kernels then compute every row as they would alone (see verispec.quant), so a row's q
+        never depends on how many rows share the step."""
+        per_forward = max(1, PACKED_MAX_ROWS // max(f.numel() for f in feeds))
+        logits = []
+        for at in range(0, len(slots), per_forward):
+            logits += self.model.forward_rows(slots[at : at + per_forward], feeds[at : at + per_forward],
+                                              last_only=True)
+        return logits
+
     def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
         # the cache holds seq[:base] + drafts[:drafted - 1]; the first `accepted` drafts were committed
         if drafted:
@@ -126,6 +141,11 @@ class BatchDraftModel:
         self.model.reset(slot)
         self._settings.pop(slot, None)
         self._base.pop(slot, None)
+
+    def reset(self) -> None:
+        self.model.reset()
+        self._settings.clear()
+        self._base.clear()
 
 
 class ProposerRows:
@@ -153,3 +173,6 @@ class ProposerRows:
 
     def release(self, slot: int) -> None:
         self._by_slot.pop(slot, None)
+
+    def reset(self) -> None:
+        self._by_slot.clear()

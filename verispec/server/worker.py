@@ -26,7 +26,7 @@ from verispec.sampling import SamplingParams
 from verispec.provenance import ProvenanceText
 
 
-EMPTY = "empty"  # JobQueue.get(block=False) with nothing waiting
+EMPTY = object()  # JobQueue.get(block=False) with nothing waiting
 
 
 class QueueFull(Exception):
@@ -80,7 +80,7 @@ class JobQueue:
             self._jobs.append(job)
             self._ready.notify()
 
-    def get(self, block: bool = True) -> Job | None | str:
+    def get(self, block: bool = True) -> Job | None | object:
         """The next job (None: stop); with block=False, EMPTY when none is waiting."""
         with self._ready:
             while not self._jobs:
@@ -119,7 +119,8 @@ class Worker:
         self.pipeline = pipeline
         self.metrics = metrics
         self.jobs = JobQueue(max_queue)
-        self.max_batch = max_batch if max_batch > 1 and pipeline.can_batch() is None else 1
+        self.batch = pipeline.batch(max_batch) if max_batch > 1 and pipeline.can_batch() is None else None
+        self.max_batch = max_batch if self.batch is not None else 1
         self.running: list[Job] = []
         self._thread = threading.Thread(target=self._run, name="verispec-worker", daemon=True)
         self._stopping = False
@@ -266,8 +267,15 @@ class Worker:
     # -- continuous batching ---------------------------------------------------------------------------
 
     def _run_batched(self) -> None:
-        batch = self.pipeline.batch(self.max_batch)
         runs: dict[object, _Running] = {}  # BatchRequest -> its job
+        try:
+            self._batched_rounds(self.batch, runs)
+        finally:  # the thread leaves (or dies): a job it still held must not wait for it
+            message = "the server is shutting down" if self._stopping else "the model worker stopped unexpectedly"
+            for run in runs.values():
+                run.job.emit("unavailable", message)
+
+    def _batched_rounds(self, batch, runs: dict) -> None:
         stopping = False
         while True:
             while batch.free_slots and not stopping:  # every free slot takes a waiting job, before the round
@@ -288,24 +296,32 @@ class Worker:
                 continue
             try:
                 chunks = batch.step()
-            except Exception as exc:  # the batch is lost, the server is not: answer its jobs, start afresh
-                for request, run in list(runs.items()):
+            except Exception as exc:  # the round is lost, the server is not: answer its jobs, start afresh
+                batch.abort()
+                for run in runs.values():
                     run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
+                runs.clear()
+                self._set_running(runs)
+                continue
+            for request, chunk in chunks:
+                run = runs[request]
+                try:
+                    delivered = self._deliver(run, chunk)
+                except Exception as exc:  # this job's text failed: it alone ends
                     batch.cancel(request)
                     runs.pop(request)
-                self.running = []
-                self._update_gauges()
-                continue
-            except BaseException:
-                for run in runs.values():
-                    run.job.emit("unavailable", "the model worker stopped unexpectedly")
-                raise
-            for request, chunk in chunks:
-                if not self._deliver(runs[request], chunk):
+                    self._set_running(runs)
+                    run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
+                    continue
+                if not delivered:
                     batch.cancel(request)
             for request, run in list(runs.items()):
                 if request.done:
                     self._close(request, run, runs)
+
+    def _set_running(self, runs: dict) -> None:
+        self.running = [run.job for run in runs.values()]
+        self._update_gauges()
 
     def _admit(self, batch, job: Job, runs: dict) -> None:
         run = self._begin(job)
@@ -318,12 +334,17 @@ class Worker:
         except Exception as exc:
             job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
             return
+        except BaseException:
+            job.emit("unavailable", "the model worker stopped unexpectedly")
+            raise
         runs[request] = run
-        self.running = [r.job for r in runs.values()]
-        self._update_gauges()
+        self._set_running(runs)
 
     def _close(self, request, run: _Running, runs: dict) -> None:
+        """The job's generation ended: out of `runs`, then answered (an answer that fails is an error event)."""
         runs.pop(request)
-        self.running = [r.job for r in runs.values()]
-        self._update_gauges()
-        self._end(run, request.result)
+        self._set_running(runs)
+        try:
+            self._end(run, request.result)
+        except Exception as exc:
+            run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
