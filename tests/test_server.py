@@ -421,12 +421,14 @@ def test_allowed_hosts_follow_the_bind_address():
 
 def test_concurrent_requests_share_rounds_and_stay_exact(server, client):
     """Eight concurrent requests (greedy with stops and different lengths, seeded sampling, streaming or not)
-    on a server that batches 4: each answer equals the same request sent alone, and requests did run together;
+    and one that leaves, on a server that batches: each answer equals the same request sent alone, and requests did run together;
     a client that leaves mid-batch takes nothing from the others."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from verispec.cli import DEFAULT_MAX_BATCH
+
     slots = httpx.get(server.url + "/v1/models").json()["data"][0]["verispec"]["max_batch"]
-    assert slots == 4
+    assert slots == DEFAULT_MAX_BATCH
     bodies = [dict(model=MODEL, prompt=f"request {i}: " + "ab" * i, max_tokens=8 + 5 * i, temperature=0,
                    extra_body={"num_draft_tokens": i % 4}, stop=["zz"] if i % 2 else None) for i in range(6)]
     bodies += [dict(model=MODEL, prompt="seeded", max_tokens=20, temperature=1.0, top_p=0.9, seed=s,

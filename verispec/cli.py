@@ -22,7 +22,7 @@ from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
 # verispec.build.DRAFTERS, without importing torch to parse flags (a test checks they agree)
 DRAFTER_NAMES = ("model", "ngram", "suffix", "hybrid", "hybrid-suffix")
 FREE_DRAFTERS = ("ngram", "suffix")  # the drafters that take no draft model
-DEFAULT_MAX_BATCH = 4  # serve --max-batch: see docs/performance.md (batched serving)
+DEFAULT_MAX_BATCH = 8  # serve --max-batch: see docs/performance.md (Batched serving)
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
