@@ -154,8 +154,9 @@ def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pai
     from verispec.sampling import make_generator
     from verispec.sequence import TokenSequence
 
+    from verispec.engine import target_rows
+
     target, draft = small_vocab_pair
-    eng = make_engine(target)
     generated = [4, 4, 6]
     seq = TokenSequence(PROMPT + generated, 20, torch.device("cpu"))
     seq.prompt_length = len(PROMPT)
@@ -166,7 +167,7 @@ def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pai
     with torch.no_grad():
         t_logits = target(input_ids=torch.tensor([seq.ids + tokens.tolist()])).logits[0, len(seq) - 1 :]  # [4, V]
         d_logits = draft(input_ids=torch.tensor([seq.ids + tokens.tolist()])).logits[0, len(seq) - 1 :]
-    rows = eng._target_rows(t_logits, tokens, PENALISED, seq)  # [4, V]
+    rows = target_rows(t_logits, tokens, PENALISED, seq)  # [4, V]
     for i in range(4):
         ids = torch.tensor(generated + tokens[:i].tolist())
         plain = probs_from_logits(t_logits[i : i + 1], PENALISED, counts=token_counts(ids, 8), position=3 + i)
