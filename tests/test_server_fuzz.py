@@ -27,7 +27,7 @@ def server(tmp_path_factory):
     target, draft = save_tiny_pair(tmp_path_factory.mktemp("fuzz"))
     srv = ServerProcess(["--target", target, "--draft", draft, "--dtype", "fp32", "--served-model-name", MODEL,
                          "--api-key", KEY, "--max-queue", "1", "--max-tokens-cap", "4000",
-                         "--max-body-bytes", str(BODY_LIMIT)])
+                         "--max-body-bytes", str(BODY_LIMIT), "--max-batch", "1"])  # one runs, one waits
     yield srv
     srv.stop()
 
