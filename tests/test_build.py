@@ -70,9 +70,9 @@ def test_each_field_is_checked_when_the_spec_is_made(make, field, words):
 
 def test_registries_name_every_backend_and_drafter():
     assert set(BACKENDS) == {"hf", "llamacpp"}
-    assert set(DRAFTERS) == {"model", "ngram", "suffix", "hybrid", "hybrid-suffix"}
+    assert set(DRAFTERS) == {"model", "ngram", "suffix", "hybrid", "hybrid-suffix", "tree"}
     assert BACKENDS["hf"].draft_options and not BACKENDS["llamacpp"].draft_options
-    assert {name for name, d in DRAFTERS.items() if d.needs_model} == {"model", "hybrid", "hybrid-suffix"}
+    assert {name for name, d in DRAFTERS.items() if d.needs_model} == {"model", "hybrid", "hybrid-suffix", "tree"}
     for name, lookup in (("hybrid", "NgramProposer"), ("hybrid-suffix", "SuffixProposer")):
         proposer = DRAFTERS[name].make(object(), 64)
         assert type(proposer).__name__ == "HybridProposer" and proposer.model.vocab_size == 64

@@ -44,7 +44,9 @@ from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed
 from verispec.pipeline import Pipeline
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
 from verispec.proposers.base import Proposer
+from verispec.proposers.tree import TreeDraftModel
 from verispec.quant import QUANT_MODES, quantize_model
+from verispec.tree_budget import TreeBudget
 from verispec.vocab import frequent_tokens, restrict_head
 
 BACKEND_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp"}
@@ -265,6 +267,7 @@ DRAFTERS: dict[str, Drafter] = {
                       needs_model=True),
     "hybrid-suffix": Drafter(lambda model, vocab: HybridProposer(SuffixProposer(), DraftModelProposer(model, vocab)),
                              needs_model=True),
+    "tree": Drafter(lambda model, vocab: TreeDraftModel(model, vocab), needs_model=True),
 }
 
 
@@ -615,6 +618,10 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         k = defaults.k
         name = BACKEND_NAMES.get(target.backend, target.backend)
         reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
+    tree = draft is not None and draft.drafter == "tree"
+    if tree and "llamacpp" in (target.backend, draft_backend):
+        raise SpecError("token trees run on the transformers backend (llama.cpp verifies chains only here)",
+                        "draft.drafter", (("target.backend", "hf"),))
     store = store if store is not None else ModelStore()
     for name in dict.fromkeys((target.backend, draft_backend)):
         if name is not None:
@@ -634,14 +641,34 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         t0 = time.perf_counter()
         draft_model = store.draft(draft, device, dtype, tokenizer, target_model.vocab_size)
         times["draft"] = time.perf_counter() - t0
+    auto_policy = None
+    if tree:
+        target_model, draft_model = _tree_models(target_model, draft_model)
+        auto_policy = TreeBudget()
     proposer = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, target_model.vocab_size)
     end = eog_token_ids(tokenizer) if target.tokenizer is not None else store.end_tokens(target.model)
     eos = sorted({*eos, *end})
     if k is None:
-        k = default_k(target.backend, draft_backend) if draft is not None else 0
-    generator = SpeculativeGenerator(target_model, proposer, eos, k, k_max)
+        k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
+    generator = SpeculativeGenerator(target_model, proposer, eos, k, k_max, auto_policy)
     return Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
                     times, reason)
+
+
+def _tree_models(target: Model, draft: Model) -> tuple[Model, Model]:
+    """The target and draft of a tree drafter: both verify trees on the lean path (the target on a LeanNet of
+    its transformers model, which holds fused copies of some weights: see _lean_net)."""
+    if not isinstance(draft, LeanModel):
+        raise SpecError("token trees need the draft on the lean path (draft forward lean, an architecture it runs)",
+                        "draft.forward", runtime=True)
+    if isinstance(target, LeanModel):
+        return target, draft
+    reason = lean_unsupported(target.model)
+    if reason is not None:
+        raise SpecError(f"token trees run on the lean path, which cannot run {reason}", "draft.drafter", runtime=True)
+    lean = LeanModel(_lean_net(target))
+    lean.max_length = target.max_length
+    return lean, draft
 
 
 BATCH_DRAFTERS = ("model", "ngram", "suffix")  # the drafters a batch runs (verispec.batch)

@@ -20,7 +20,7 @@ from verispec import __version__
 from verispec.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
 
 # verispec.build.DRAFTERS, without importing torch to parse flags (a test checks they agree)
-DRAFTER_NAMES = ("model", "ngram", "suffix", "hybrid", "hybrid-suffix")
+DRAFTER_NAMES = ("model", "ngram", "suffix", "hybrid", "hybrid-suffix", "tree")
 FREE_DRAFTERS = ("ngram", "suffix")  # the drafters that take no draft model
 DEFAULT_MAX_BATCH = 8  # serve --max-batch: see docs/performance.md (Batched serving)
 
@@ -88,7 +88,21 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                        help="the transformers draft scores only ~N frequent tokens (q = 0 elsewhere; exactness "
                             "unaffected), e.g. 32768; 0 = all")
         _add_draft_forward_arg(p)
+        _add_tree_args(p)
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
+
+
+def _add_tree_args(p: argparse.ArgumentParser, budgets: bool = False) -> None:
+    p.add_argument("--tree", action="store_true",
+                   help="token-tree speculation (--drafter tree): the draft model proposes a tree of candidates "
+                        "and the target verifies all of them in one pass (transformers backend, lean path)")
+    if budgets:
+        p.add_argument("--tree-budget", default="auto", metavar="LIST",
+                       help="with --tree: node budgets to compare, e.g. 8,16,auto")
+    else:
+        p.add_argument("--tree-budget", type=_k_arg, default=None, metavar="N",
+                       help="tree nodes per round, or 'auto' (measured cost and acceptance choose the budget and "
+                            "depth each round); implies --tree (default: auto)")
 
 
 def _add_color_arg(p: argparse.ArgumentParser) -> None:
@@ -230,9 +244,25 @@ def _prompt_text(prompt: str) -> str:
     return text
 
 
+def _tree_flags(args) -> None:
+    """--tree and --tree-budget N select the tree drafter, N being its k."""
+    if not (args.tree or args.tree_budget is not None):
+        return
+    if args.no_speculation:
+        raise UsageError("--tree drafts a token tree: it takes no --no-speculation")
+    if args.drafter not in (None, "tree"):
+        raise UsageError(f"--tree drafts with the draft model: it takes no --drafter {args.drafter}")
+    if args.tree_budget is not None and args.num_draft_tokens is not None:
+        raise UsageError("--tree-budget is the tree's --num-draft-tokens: pass one of them")
+    args.drafter = "tree"
+    if args.tree_budget is not None:
+        args.num_draft_tokens = args.tree_budget
+
+
 def _check_draft(args) -> None:
     """A model drafter named on the command line needs a draft: --draft, or the default pair's (when --target
     is not given). The default drafter is the backend's, known once the backend is: build checks it."""
+    _tree_flags(args)
     if (not args.no_speculation and args.drafter is not None and args.drafter not in FREE_DRAFTERS
             and args.target is not None and args.draft is None):
         raise UsageError("no draft model: pass --draft (or --drafter ngram, or --no-speculation for plain decoding)")
@@ -317,13 +347,13 @@ def cmd_chat(args) -> int:
     return run_repl(bot, interactive, banner, color=_color(args))
 
 
-def _k_list(text: str) -> list[int | str]:
+def _k_list(text: str, flag: str = "--num-draft-tokens") -> list[int | str]:
     try:
         ks = [x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--num-draft-tokens takes integers or 'auto' separated by commas, got {text!r}") from None
+        raise ValueError(f"{flag} takes integers or 'auto' separated by commas, got {text!r}") from None
     if not ks or any(k != "auto" and k < 1 for k in ks):
-        raise ValueError(f"--num-draft-tokens needs values >= 1 or 'auto', got {text!r}")
+        raise ValueError(f"{flag} needs values >= 1 or 'auto', got {text!r}")
     return ks
 
 
@@ -440,8 +470,10 @@ def cmd_bench(args) -> int:
     with _spec_errors():
         for v in variants:
             parse_draft_variant(v)  # refuse a bad one before loading anything
-    named = len(drafters) > 1 or bool(variants)
+    budgets = _k_list(args.tree_budget, "--tree-budget") if args.tree else []
+    named = len(drafters) > 1 or bool(variants) or bool(budgets)
     configs = [Config(f"{d} k={k}" if named else f"verispec k={k}", "spec", k, d) for d in drafters for k in ks]
+    configs += [Config(f"tree k={b}", "spec", b, "tree") for b in budgets]
     configs += [Config(f"{d}[{v}] k={k}", "spec", k, f"{d}[{v}]")
                 for v in variants for d in drafters if d not in FREE_DRAFTERS for k in ks]
     if "hf" in args.compare:
@@ -452,7 +484,7 @@ def cmd_bench(args) -> int:
         configs.append(Config("llama.cpp plain", "llama"))
     if "llama-lookup" in args.compare:
         configs.append(Config("llama.cpp prompt lookup", "llama-lookup"))
-    needs_draft = any(d not in FREE_DRAFTERS for d in drafters) or "hf" in args.compare
+    needs_draft = any(d not in FREE_DRAFTERS for d in drafters) or "hf" in args.compare or args.tree
     with _spec_errors():
         target_spec, draft_spec = _specs(args, "model" if needs_draft else "ngram")
         bench = Bench(target_spec, draft_spec)
@@ -779,6 +811,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more draft setups compared in the same run, e.g. llamacpp,hf-int4,hf-int4-v32768 "
                         "(backend[-quant][-vVOCAB][-lean|-transformers]); shown as model[variant] / "
                         "hybrid[variant] (default: none)")
+    _add_tree_args(b, budgets=True)
     _add_model_args(b, speculation_flags=False)
     _add_sampling_args(b)
     b.set_defaults(func=cmd_bench, max_new_tokens=128)

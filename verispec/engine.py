@@ -11,6 +11,10 @@ The first round is the exception: the prefill feeds the whole prompt and keeps i
 plain decoders do; feeding the prompt's last token again on its own would cost one more forward per
 generation (~1% of a 96-token generation on llama.cpp).
 
+A tree drafter's round (the draft carries a TokenTree) is the same round: one target pass over the root
+and all nodes with a tree mask, the walk of verispec.tree instead of the chain's verifier, and the target's
+cache keeps the accepted path (moved into place) instead of a prefix.
+
 The engine knows token ids only. Text-level stops come in as a callback from the edge.
 """
 
@@ -40,6 +44,7 @@ from verispec.sampling import (
 )
 from verispec.sequence import TokenSequence
 from verispec.timing import Clock, sync
+from verispec.tree import TokenTree, tree_rows, verify_tree
 from verispec.verify import greedy_verify, rejection_sample
 
 # stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
@@ -105,12 +110,14 @@ class SpeculativeGenerator:
         eos_token_ids: Iterable[int] = (),
         num_draft_tokens: int | str = 4,
         k_max: int = 8,
+        auto_policy: KPolicy | None = None,
     ) -> None:
         self.target = target
         self.proposer = proposer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.num_draft_tokens = _check_k(num_draft_tokens)
-        self.k_policy = CostAwareK(k_max=k_max)  # the policy of k = "auto"; learns across generations
+        # the policy of k = "auto" (default: cost-aware k for chains); learns across generations
+        self.k_policy = auto_policy if auto_policy is not None else CostAwareK(k_max=k_max)
         self.device = target.device
         self._clock = Clock(self.device)  # times the round's stages on the device's timeline
         self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
@@ -145,7 +152,41 @@ class SpeculativeGenerator:
             return plan.draft
         if plan.k == 0:
             return Draft(seq.device_ids.new_empty(0), None, "")
+        if plan.depth is not None:
+            return self.proposer.propose(seq, plan.k, plan.depth)
         return self.proposer.propose(seq, plan.k)
+
+    def _score_tree(self, seq: TokenSequence, tree: TokenTree, head: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """The target's logits [m + 1, V] for the root and each tree node, in ONE tree-masked forward pass
+        (over the root and the nodes; the first round: over the nodes, the prefill gave `head`), and the cache
+        position where the pass's rows begin."""
+        device = seq.device_ids.device
+        length = len(seq)
+        positions = length - 1 + torch.tensor(tree.depths, dtype=torch.long, device=device)
+        paths = tree.paths()  # [m + 1, m]
+        if head is not None:
+            return torch.cat([head, self.target.forward_tree(tree.tokens, positions, length, paths[1:])]), length
+        tokens = torch.cat([seq.device_ids[-1:], tree.tokens])
+        positions = torch.cat([positions.new_full((1,), length - 1), positions])
+        visible = torch.cat([torch.ones(len(tree) + 1, 1, dtype=torch.bool, device=device), paths], dim=1)
+        return self.target.forward_tree(tokens, positions, length - 1, visible), length - 1
+
+    def _verify_tree(
+        self, seq: TokenSequence, tree: TokenTree, params: SamplingParams, gen: torch.Generator,
+        head: torch.Tensor | None, logprobs: list[TokenLogprob] | None, top_logprobs: int,
+    ) -> tuple[list[int], list[int]]:
+        """Score, verify and commit a tree (verispec.tree); the target's cache keeps the root and the accepted
+        path. Returns (committed ids, accepted nodes)."""
+        logits, base = self._score_tree(seq, tree, head)
+        path, token = verify_tree(tree_rows(logits, tree, params, seq), tree, params.greedy, gen)
+        rows = [0] + [node + 1 for node in path]  # of logits: the rows that chose each committed token
+        committed = [int(tree.tokens[node]) for node in path] + [token]
+        if logprobs is not None:
+            logp = tree_rows(logits, tree, params, seq, log=True)[rows]
+            logprobs.extend(_token_logprobs(logp, committed, top_logprobs))
+        self.target.keep(base, rows if head is None else path)  # the first round's cache has no root row
+        seq.extend(committed, torch.tensor(committed, device=seq.device_ids.device))
+        return committed, path
 
     def _round(
         self, seq: TokenSequence, plan: Plan, params: SamplingParams, gen: torch.Generator,
@@ -160,10 +201,15 @@ class SpeculativeGenerator:
         t1 = clock.mark()
         draft = self._draft(seq, plan)
         t2 = clock.mark()
-        logits = self._score(seq, draft.tokens, head)
-        n, nxt = verify(seq, draft, logits, params, gen)
-        t3 = clock.mark()
-        committed, accepted = commit(seq, draft, n, nxt, logits, params, logprobs, top_logprobs)
+        path: list[int] = []
+        if draft.tree is not None:
+            committed, path = self._verify_tree(seq, draft.tree, params, gen, head, logprobs, top_logprobs)
+            t3, accepted = clock.mark(), len(path)
+        else:
+            logits = self._score(seq, draft.tokens, head)
+            n, nxt = verify(seq, draft, logits, params, gen)
+            t3 = clock.mark()
+            committed, accepted = commit(seq, draft, n, nxt, logits, params, logprobs, top_logprobs)
         drafted = draft.tokens.numel()
         self.target.rollback(len(seq) - 1)  # the target's cache keeps exactly the committed tokens it has seen
         if plan.draft is None and plan.k > 0:
@@ -171,7 +217,7 @@ class SpeculativeGenerator:
         return committed, RoundReport(
             plan.k, draft.source if drafted else "", drafted, accepted, head is not None, plan.draft is not None,
             draft.steps, clock.seconds(t1, t2), clock.seconds(t2, t3), clock.seconds(t0, t1), caught_up,
-            time.perf_counter() - start)
+            time.perf_counter() - start, draft.tree, tuple(path))
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -200,7 +246,8 @@ class SpeculativeGenerator:
                 stats.add_round(report)
                 emitted, keep = cut_at_stop(seq, committed, stop, stop_ids)
                 if keep is not None:  # drop what follows the stop, from the result and from the caches
-                    stats.cut_round(report.drafted, report.accepted, len(emitted))
+                    stats.cut_round(report.drafted, report.accepted, len(emitted),
+                                    None if report.tree is None else report.tree.depth)
                     committed = emitted
                     self.target.rollback(min(self.target.length, len(seq) - 1))
                     result.finish_reason = "stop"

@@ -23,13 +23,16 @@ class SpecStats:
     first_token_seconds: float = 0.0  # time to first token: from the call until the first token was committed
     seconds: float = 0.0
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One verification round: `accepted` of `drafted` draft tokens were accepted."""
+    def observe(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One verification round: `accepted` of `drafted` draft tokens were accepted. A token tree's `depth`:
+        the positions it drafted (its `drafted` nodes spread over them), so that position i's acceptance is
+        the acceptance at depth i + 1."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
         self.accepted_lengths.append(accepted)
-        for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+        positions = drafted if depth is None else depth
+        for counts, upto in ((self.drafted_per_position, positions), (self.accepted_per_position, accepted)):
             if len(counts) < upto:
                 counts.extend([0] * (upto - len(counts)))
             for i in range(upto):
@@ -43,15 +46,17 @@ class SpecStats:
         self.draft_forwards += report.draft_steps
         self.target_forwards += 2 if report.first and report.drafted else 1  # the prefill's pass gave a row
         if report.drafted:
-            self.observe(report.drafted, report.accepted)
+            self.observe(report.drafted, report.accepted, None if report.tree is None else report.tree.depth)
 
-    def cut_round(self, drafted: int, accepted: int, emitted: int) -> None:
-        """The last round (`drafted` drafts, `accepted` of them accepted) was cut by a stop (EOS or a stop
-        string) after its first `emitted` tokens: when the cut falls among the accepted drafts, count the
-        round as if it had drafted only those, so that the stats describe what was emitted."""
+    def cut_round(self, drafted: int, accepted: int, emitted: int, depth: int | None = None) -> None:
+        """The last round (`drafted` drafts, or tree nodes over `depth` positions; `accepted` of them accepted)
+        was cut by a stop (EOS or a stop string) after its first `emitted` tokens: when the cut falls among the
+        accepted drafts, count the round as if it had drafted only those, so that the stats describe what was
+        emitted."""
         if emitted >= accepted:
             return
-        for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+        positions = drafted if depth is None else depth
+        for counts, upto in ((self.drafted_per_position, positions), (self.accepted_per_position, accepted)):
             for i in range(emitted, upto):
                 counts[i] -= 1
         self.drafted -= drafted - emitted

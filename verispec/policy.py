@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from verispec.proposers.base import Draft
+from verispec.tree import TokenTree
 from verispec.sequence import TokenSequence
+
+
+TREE_SOURCE = "tree"  # the source of token trees: a plan's k is their node budget, its depth their draft forwards
 
 
 @dataclass(frozen=True)
@@ -34,10 +38,13 @@ class RoundView:
 
 @dataclass(frozen=True)
 class Plan:
-    """A policy's choice for one round: draft k tokens, or verify `draft` (the policy's own) instead."""
+    """A policy's choice for one round: draft k tokens, or verify `draft` (the policy's own) instead. A tree
+    drafter reads k as its node budget and `depth` as the most draft forwards it may spend (None: its own
+    maximum); a tree's deepest node is at most that deep, since a round commits at most its depth + 1 tokens."""
 
     k: int
     draft: Draft | None = None
+    depth: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ class RoundReport:
     catchup_seconds: float  # the draft's catch-up on tokens it had not seen
     catchup_tokens: int
     seconds: float  # wall time of the whole round (catch-up, drafting, verifying, both rollbacks)
+    tree: "TokenTree | None" = None  # the verified draft's tree (None: a chain)
+    path: tuple[int, ...] = ()  # the tree nodes accepted, root to deepest
 
     @property
     def fed(self) -> int:
@@ -91,6 +100,8 @@ class FixedK:
         pass
 
     def choose(self, view: RoundView) -> Plan:
+        if view.source == TREE_SOURCE:  # k tree nodes; the limit caps the depth
+            return Plan(self.k if view.limit else 0, depth=view.limit)
         return Plan(min(self.k, view.limit))
 
     def observe(self, report: RoundReport) -> None:

@@ -78,31 +78,36 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return gen
 
 
-def presence_rows(presence: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Per-row context presence for rows that each see one more token of `tokens`.
+def _seen_rows(tokens: torch.Tensor, rows: int, vocab: int, paths: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """[rows, V] occurrences of `tokens` [n] that each row sees: row i the first i (paths None: a chain of
+    rows), or the tokens j with paths[i, j] (a token tree's rows see their ancestors)."""
+    n = tokens.numel()
+    onehot = torch.zeros(n + 1, vocab, dtype=dtype, device=tokens.device)
+    if n:
+        onehot[torch.arange(1, n + 1, device=tokens.device), tokens] = 1
+    if paths is None:
+        return onehot.cumsum(0)
+    return (paths.to(torch.float32) @ onehot[1:].to(torch.float32)).to(dtype)
 
-    presence: [V] bool, the tokens of the committed context. tokens: [n] the tokens appended one per row.
-    Returns [n+1, V] bool: row i = presence | tokens[:i].
+
+def presence_rows(presence: torch.Tensor, tokens: torch.Tensor, paths: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row context presence for rows that each see more of `tokens`.
+
+    presence: [V] bool, the tokens of the committed context. tokens: [n]. Returns [n+1, V] bool: row i =
+    presence | tokens[:i]; with `paths` [r, n] bool (a token tree's rows): row i = presence | tokens[paths[i]].
     """
-    n = tokens.numel()
-    rows = presence.unsqueeze(0).repeat(n + 1, 1)  # [n+1, V]
-    if n:
-        onehot = torch.zeros(n + 1, presence.numel(), dtype=torch.int32, device=presence.device)
-        onehot[torch.arange(1, n + 1, device=presence.device), tokens] = 1
-        rows |= onehot.cumsum(0) > 0
-    return rows
+    if not tokens.numel():
+        return presence.unsqueeze(0).repeat(1 if paths is None else paths.shape[0], 1)
+    rows = tokens.numel() + 1 if paths is None else paths.shape[0]
+    return presence.unsqueeze(0) | (_seen_rows(tokens, rows, presence.numel(), paths, torch.int32) > 0)
 
 
-def count_rows(counts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Per-row token counts for rows that each see one more token of `tokens` (as presence_rows does for
-    presence): counts [V] int, tokens [n] -> [n+1, V], row i = counts + occurrences in tokens[:i]."""
-    n = tokens.numel()
-    rows = counts.unsqueeze(0).repeat(n + 1, 1)  # [n+1, V]
-    if n:
-        onehot = torch.zeros(n + 1, counts.numel(), dtype=counts.dtype, device=counts.device)
-        onehot[torch.arange(1, n + 1, device=counts.device), tokens] = 1
-        rows += onehot.cumsum(0)
-    return rows
+def count_rows(counts: torch.Tensor, tokens: torch.Tensor, paths: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row token counts for rows that each see more of `tokens` (as presence_rows does for presence):
+    counts [V] int, tokens [n] -> [n+1, V], row i = counts + occurrences in tokens[:i] (or in tokens[paths[i]])."""
+    rows = tokens.numel() + 1 if paths is None else paths.shape[0]
+    return counts.unsqueeze(0) + _seen_rows(tokens, rows, counts.numel(), paths, counts.dtype)
 
 
 def token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -228,6 +228,47 @@ class LeanBatch:
             self.lengths[s] += size
         return [logits[b] if last_only else logits[b, :size] for b, size in enumerate(sizes)]
 
+    @torch.inference_mode()
+    def forward_tree(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, base: int,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """Append n tree nodes to slot `slot`'s cache (stored in the order given, at positions `positions` [n]
+        for RoPE) and return their logits [n, V]. Every node sees the cache before `base` (the committed
+        sequence); of what lies from `base` on (nodes appended earlier, then these), node i sees the columns
+        where visible[i] [length - base + n] is True: its ancestors and itself."""
+        n, start = tokens.numel(), self.lengths[slot]
+        end = start + n
+        if visible.shape != (n, end - base):
+            raise ValueError(f"visible must be [{n}, {end - base}], got {list(visible.shape)}")
+        if int(positions.max()) >= self.max_length:
+            raise ValueError(f"a tree node at position {int(positions.max())} exceeds the model's context of "
+                             f"{self.max_length}")
+        if end > self._capacity:
+            self._grow(end)
+        mask = torch.ones(n, end, dtype=torch.bool, device=self.device)
+        mask[:, base:] = visible
+        cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, 1, hd]
+        write = _Write([slot], start, None, end)
+        h = self.net.embed(tokens[None])
+        for layer, keys, values in zip(self.net.layers, self.keys, self.values):
+            h = layer(h, cos, sin, keys, values, write, mask[None, None])
+        logits = self.net.head(F.rms_norm(h, h.shape[-1:], self.net.norm, self.net.eps))[0]
+        self.lengths[slot] = end
+        return logits
+
+    @torch.inference_mode()
+    def keep(self, slot: int, base: int, rows: list[int]) -> None:
+        """Keep, after `base`, only the cached rows base + rows[i] (in that order, rows ascending): the path a
+        tree verification accepted moves to base, base + 1, ...; the slot's length becomes base + len(rows)."""
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or base + rows[-1] >= self.lengths[slot])):
+            raise ValueError(f"rows {rows} are not ascending rows of the {self.lengths[slot] - base} held after {base}")
+        moved = [i for i, r in enumerate(rows) if r != i]
+        if moved:
+            src = torch.tensor([base + rows[i] for i in moved], device=self.device)
+            dst = torch.tensor([base + i for i in moved], device=self.device)
+            for cache in (*self.keys, *self.values):
+                cache[slot, :, dst] = cache[slot, :, src]
+        self.lengths[slot] = base + len(rows)
+
     def rollback(self, slot: int, length: int) -> None:
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.lengths[slot]}")
@@ -248,10 +289,11 @@ class LeanBatch:
 
 
 class LeanModel:
-    """The Model protocol (one sequence) over a LeanNet: a one-slot LeanBatch."""
+    """The Model protocol (one sequence) over a LeanNet (built from a transformers model, or given): a one-slot
+    LeanBatch. It also verifies token trees (forward_tree, keep)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.net = LeanNet(model.eval())
+    def __init__(self, model: nn.Module | LeanNet) -> None:
+        self.net = model if isinstance(model, LeanNet) else LeanNet(model.eval())
         self._batch = LeanBatch(self.net, 1)
         self.device, self.dtype = self._batch.device, self._batch.dtype
         self.vocab_size = self.net.vocab_size
@@ -271,6 +313,15 @@ class LeanModel:
     def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """tokens: [n] long on self.device -> logits [n, V] (or [1, V] with last_only)."""
         return self._batch.forward_rows([0], [tokens], last_only)[0]
+
+    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, base: int,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """Tree nodes: see LeanBatch.forward_tree."""
+        return self._batch.forward_tree(0, tokens, positions, base, visible)
+
+    def keep(self, base: int, rows: list[int]) -> None:
+        """Keep an accepted path's rows after `base`: see LeanBatch.keep."""
+        self._batch.keep(0, base, rows)
 
     def rollback(self, length: int) -> None:
         self._batch.rollback(0, length)

@@ -10,12 +10,15 @@ call the engine times (`catch_up`), then takes the draft (`propose`) and reports
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from verispec.sampling import SamplingParams
 from verispec.sequence import TokenSequence
+
+if TYPE_CHECKING:
+    from verispec.tree import TokenTree
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Draft:
     probs: torch.Tensor | None  # [k, V] q, or None: deterministic (q one-hot on tokens)
     source: str = "model"  # which source drafted it (a k policy learns per source)
     steps: int = 0  # draft-model forwards spent on it (0: a free drafter)
+    tree: "TokenTree | None" = None  # the tokens' tree (parents, depths); None: a chain, tokens[i] after tokens[i-1]
 
 
 class Proposer(Protocol):

@@ -121,7 +121,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     num_draft_tokens: int | None = Field(None, ge=0, le=32)
-    drafter: Literal["model", "ngram", "suffix", "hybrid", "hybrid-suffix", "none"] | None = None
+    drafter: Literal["model", "ngram", "suffix", "hybrid", "hybrid-suffix", "tree", "none"] | None = None
 
     @field_validator("stop")
     @classmethod
