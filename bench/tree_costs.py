@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from verispec.timing import sync
+
 
 def _chain_tree(n: int, width: int = 4):
     """A tree of n nodes in the shape the drafter grows: `width` children under the best node of each depth."""
@@ -44,19 +46,20 @@ def _median_seconds(run, repeats: int = 5) -> float:
 
 def tree_pass_costs(model, nodes: list[int], context: int = 300) -> list[dict]:
     """Seconds of one tree verify pass per node count (n = 0: the plain step, one token)."""
-    gen = torch.Generator().manual_seed(0)
+    gen, device = torch.Generator().manual_seed(0), model.device
     model.reset()
-    model.forward(torch.randint(0, 30000, (context,), generator=gen))
+    model.forward(torch.randint(0, 30000, (context,), generator=gen).to(device))
     rows = []
     for n in [0, *nodes]:
         tree = _chain_tree(n)
-        tokens = torch.cat([torch.tensor([11]), tree.tokens])
-        positions = context + torch.tensor([0, *tree.depths], dtype=torch.long)
-        visible = torch.cat([torch.ones(n + 1, 1, dtype=torch.bool), tree.paths()], dim=1)
+        tokens = torch.cat([torch.tensor([11]), tree.tokens]).to(device)
+        positions = (context + torch.tensor([0, *tree.depths], dtype=torch.long)).to(device)
+        visible = torch.cat([torch.ones(n + 1, 1, dtype=torch.bool), tree.paths()], dim=1).to(device)
 
         def run():
-            model.forward_tree(tokens, positions, context, visible)
+            model.forward_tree(tokens, positions, context, visible, context + tree.depth)
             model.rollback(context)
+            sync(device)
 
         rows.append({"nodes": n, "seconds": _median_seconds(run)})
     plain = rows[0]["seconds"]
@@ -67,17 +70,19 @@ def tree_pass_costs(model, nodes: list[int], context: int = 300) -> list[dict]:
 
 def frontier_costs(model, widths: list[int], context: int = 300) -> list[dict]:
     """Seconds of one draft forward over a frontier of w nodes (w = 1: a chain's draft step)."""
-    gen = torch.Generator().manual_seed(1)
+    gen, device = torch.Generator().manual_seed(1), model.device
     model.reset()
-    model.forward(torch.randint(0, 30000, (context,), generator=gen))
+    model.forward(torch.randint(0, 30000, (context,), generator=gen).to(device))
     rows = []
     for w in widths:
-        tokens = torch.arange(200, 200 + w)
-        positions = torch.full((w,), context, dtype=torch.long)
+        tokens = torch.arange(200, 200 + w, device=device)
+        positions = torch.full((w,), context, dtype=torch.long, device=device)
+        visible = torch.eye(w, dtype=torch.bool, device=device)
 
         def run():
-            model.forward_tree(tokens, positions, context, torch.eye(w, dtype=torch.bool))
+            model.forward_tree(tokens, positions, context, visible, context)
             model.rollback(context)
+            sync(device)
 
         rows.append({"width": w, "seconds": _median_seconds(run)})
     one = rows[0]["seconds"]

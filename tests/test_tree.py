@@ -70,7 +70,8 @@ def test_tree_pass_equals_each_path_run_alone():
         lean = LeanModel(model)
         lean.forward(prompt)
         base = lean.length
-        logits = lean.forward_tree(tree.tokens, base - 1 + torch.tensor(tree.depths), base, tree.paths()[1:])
+        logits = lean.forward_tree(tree.tokens, base - 1 + torch.tensor(tree.depths), base, tree.paths()[1:],
+                                   base - 1 + tree.depth)
         for node in range(len(tree)):
             alone = LeanModel(model)
             path = tree.tokens[tree.path_to(node)]
@@ -93,6 +94,8 @@ def test_keep_refuses_rows_out_of_order():
         lean.keep(2, [2, 1])
     with pytest.raises(ValueError, match="ascending"):
         lean.keep(2, [0, 4])
+    with pytest.raises(ValueError, match="ascending"):
+        lean.keep(7, [])  # a base past what the cache holds
 
 
 @pytest.mark.parametrize("params", [
@@ -166,6 +169,26 @@ def test_greedy_trees_with_stops_and_logprobs(pair):
             assert [a for a, _ in alts] == [a for a, _ in alts2]
 
 
+def test_draft_cache_holds_the_committed_tokens_after_each_round(pair):
+    """After every tree round the draft's cache is a prefix of the committed sequence (its accepted nodes moved
+    into place): its next logits equal a fresh draft's fed that prefix."""
+    target, draft = pair
+    eng = tree_engine(target, draft, k=10)
+    proposer = eng.proposer
+    generation = eng.stream([5, 9, 13, 2], max_new_tokens=30)
+    checked = 0
+    for _ in generation:
+        held = proposer.model.length
+        ids = proposer._held_seq.ids[:held]
+        probe = torch.tensor([3])
+        got = proposer.model.forward(probe)[-1]
+        proposer.model.rollback(held)
+        want = LeanModel(draft).forward(torch.tensor(ids + [3]))[-1]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        checked += held > 4  # the cache holds more than the prompt: accepted nodes were kept
+    assert checked > 2
+
+
 def test_trees_accept_more_than_a_chain_of_their_depth(pair):
     """A tree of depth 4 accepts more per round than a chain of 4 drafts from the same draft (here 2.26 vs 1.78
     tokens per round): its runner-up candidates catch tokens the chain's one guess misses."""
@@ -187,7 +210,7 @@ def small_vocab_pair():
 
 def _tree_histograms(target, draft, params, n, steps, seed0):
     counts = torch.zeros(steps, target.config.vocab_size, dtype=torch.long)
-    eng = tree_engine(target, draft, k=14, eos=(), width=2, max_depth=3)  # the full binary tree of depth 3
+    eng = tree_engine(target, draft, k=14, eos=(), width=2, max_depth=3)  # the whole pool: 2 + 4 + 4 nodes
     depths = set()
     for i in range(n):
         out = eng.generate([3, 1, 2], SamplingParams(**{**params.__dict__, "seed": seed0 + i}), max_new_tokens=steps)
@@ -332,6 +355,22 @@ def test_budget_policy_drafts_trees_only_where_they_pay():
         assert (plan.k > 0) == expect_tree
         if expect_tree:
             assert (plan.k, plan.depth) == (4, 4)  # all four nodes pay
+
+
+def test_budget_policy_caps_depth_and_probes():
+    """Near the end of a generation the depth is capped by the tokens left; every probe_every rounds the largest
+    tree probes, half-way between a plain round re-measures plain decoding."""
+    seq = TokenSequence([1, 2, 3], 64, "cpu")
+    tree = TokenTree(torch.tensor([1, 2, 3, 4]), [ROOT, 0, 1, 2], [0.9, 0.8, 0.7, 0.6])
+    policy = TreeBudget(max_nodes=4, max_depth=4, probe_every=4)
+    policy.observe(RoundReport(0, "", 0, 0, False, False, 0, 0.0, 0.10, 0.0, 0, 0.10))
+    for _ in range(5):
+        policy.observe(_report(tree, [0, 1, 2, 3], 0.12))
+    plans = [policy.choose(RoundView(seq, 50, "tree", 0, lambda: None)) for _ in range(8)]
+    assert [p.k for p in plans] == [4, 0, 4, 4, 4, 0, 4, 4]  # round 2 and 6: plain; 4 and 8: probes
+    assert all(p.depth == 4 for p in plans if p.k)
+    near_end = policy.choose(RoundView(seq, 2, "tree", 0, lambda: None))
+    assert near_end.k and near_end.depth <= 2
 
 
 # -- the library and the command line ----------------------------------------------------------------------

@@ -46,7 +46,6 @@ from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.proposers.base import Proposer
 from verispec.proposers.tree import TreeDraftModel
 from verispec.quant import QUANT_MODES, quantize_model
-from verispec.tree_budget import TreeBudget
 from verispec.vocab import frequent_tokens, restrict_head
 
 BACKEND_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp"}
@@ -641,16 +640,14 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         t0 = time.perf_counter()
         draft_model = store.draft(draft, device, dtype, tokenizer, target_model.vocab_size)
         times["draft"] = time.perf_counter() - t0
-    auto_policy = None
     if tree:
         target_model, draft_model = _tree_models(target_model, draft_model)
-        auto_policy = TreeBudget()
     proposer = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, target_model.vocab_size)
     end = eog_token_ids(tokenizer) if target.tokenizer is not None else store.end_tokens(target.model)
     eos = sorted({*eos, *end})
     if k is None:
         k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
-    generator = SpeculativeGenerator(target_model, proposer, eos, k, k_max, auto_policy)
+    generator = SpeculativeGenerator(target_model, proposer, eos, k, k_max)
     return Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
                     times, reason)
 

@@ -97,8 +97,8 @@ def _add_tree_args(p: argparse.ArgumentParser, budgets: bool = False) -> None:
                    help="token-tree speculation (--drafter tree): the draft model proposes a tree of candidates "
                         "and the target verifies all of them in one pass (transformers backend, lean path)")
     if budgets:
-        p.add_argument("--tree-budget", default="auto", metavar="LIST",
-                       help="with --tree: node budgets to compare, e.g. 8,16,auto")
+        p.add_argument("--tree-budget", default=None, metavar="LIST",
+                       help="tree node budgets to compare, e.g. 8,16,auto; implies --tree (default: auto)")
     else:
         p.add_argument("--tree-budget", type=_k_arg, default=None, metavar="N",
                        help="tree nodes per round, or 'auto' (measured cost and acceptance choose the budget and "
@@ -470,7 +470,8 @@ def cmd_bench(args) -> int:
     with _spec_errors():
         for v in variants:
             parse_draft_variant(v)  # refuse a bad one before loading anything
-    budgets = _k_list(args.tree_budget, "--tree-budget") if args.tree else []
+    tree = args.tree or args.tree_budget is not None
+    budgets = _k_list(args.tree_budget or "auto", "--tree-budget") if tree else []
     named = len(drafters) > 1 or bool(variants) or bool(budgets)
     configs = [Config(f"{d} k={k}" if named else f"verispec k={k}", "spec", k, d) for d in drafters for k in ks]
     configs += [Config(f"tree k={b}", "spec", b, "tree") for b in budgets]
@@ -484,7 +485,7 @@ def cmd_bench(args) -> int:
         configs.append(Config("llama.cpp plain", "llama"))
     if "llama-lookup" in args.compare:
         configs.append(Config("llama.cpp prompt lookup", "llama-lookup"))
-    needs_draft = any(d not in FREE_DRAFTERS for d in drafters) or "hf" in args.compare or args.tree
+    needs_draft = any(d not in FREE_DRAFTERS for d in drafters) or "hf" in args.compare or tree
     with _spec_errors():
         target_spec, draft_spec = _specs(args, "model" if needs_draft else "ngram")
         bench = Bench(target_spec, draft_spec)

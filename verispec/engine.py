@@ -32,6 +32,7 @@ from verispec.backends.base import Model, common_prefix_length
 from verispec.metrics import SpecStats
 from verispec.policy import FixedK, KPolicy, Plan, RoundReport, RoundView
 from verispec.proposers.base import Draft, Proposer
+from verispec.proposers.tree import TreeDraftModel
 from verispec.sampling import (
     SamplingParams,
     count_rows,
@@ -45,6 +46,7 @@ from verispec.sampling import (
 from verispec.sequence import TokenSequence
 from verispec.timing import Clock, sync
 from verispec.tree import TokenTree, tree_rows, verify_tree
+from verispec.tree_budget import TreeBudget
 from verispec.verify import greedy_verify, rejection_sample
 
 # stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
@@ -116,8 +118,11 @@ class SpeculativeGenerator:
         self.proposer = proposer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.num_draft_tokens = _check_k(num_draft_tokens)
-        # the policy of k = "auto" (default: cost-aware k for chains); learns across generations
-        self.k_policy = auto_policy if auto_policy is not None else CostAwareK(k_max=k_max)
+        # the policy of k = "auto" (default: a tree drafter's budget policy, else cost-aware k); learns across
+        # generations
+        if auto_policy is None:
+            auto_policy = TreeBudget() if isinstance(proposer, TreeDraftModel) else CostAwareK(k_max=k_max)
+        self.k_policy = auto_policy
         self.device = target.device
         self._clock = Clock(self.device)  # times the round's stages on the device's timeline
         self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
@@ -162,14 +167,15 @@ class SpeculativeGenerator:
         position where the pass's rows begin."""
         device = seq.device_ids.device
         length = len(seq)
+        last = length - 1 + tree.depth
         positions = length - 1 + torch.tensor(tree.depths, dtype=torch.long, device=device)
         paths = tree.paths()  # [m + 1, m]
         if head is not None:
-            return torch.cat([head, self.target.forward_tree(tree.tokens, positions, length, paths[1:])]), length
+            return torch.cat([head, self.target.forward_tree(tree.tokens, positions, length, paths[1:], last)]), length
         tokens = torch.cat([seq.device_ids[-1:], tree.tokens])
         positions = torch.cat([positions.new_full((1,), length - 1), positions])
         visible = torch.cat([torch.ones(len(tree) + 1, 1, dtype=torch.bool, device=device), paths], dim=1)
-        return self.target.forward_tree(tokens, positions, length - 1, visible), length - 1
+        return self.target.forward_tree(tokens, positions, length - 1, visible, last), length - 1
 
     def _verify_tree(
         self, seq: TokenSequence, tree: TokenTree, params: SamplingParams, gen: torch.Generator,
@@ -180,7 +186,8 @@ class SpeculativeGenerator:
         logits, base = self._score_tree(seq, tree, head)
         path, token = verify_tree(tree_rows(logits, tree, params, seq), tree, params.greedy, gen)
         rows = [0] + [node + 1 for node in path]  # of logits: the rows that chose each committed token
-        committed = [int(tree.tokens[node]) for node in path] + [token]
+        tokens = tree.tokens.tolist()
+        committed = [tokens[node] for node in path] + [token]
         if logprobs is not None:
             logp = tree_rows(logits, tree, params, seq, log=True)[rows]
             logprobs.extend(_token_logprobs(logp, committed, top_logprobs))

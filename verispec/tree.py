@@ -101,7 +101,7 @@ class TokenTree:
 
 
 def tree_rows(logits: torch.Tensor, tree: TokenTree, params: SamplingParams, seq: TokenSequence,
-              greedy: bool | None = None, log: bool = False) -> torch.Tensor:
+              log: bool = False) -> torch.Tensor:
     """The target's processed rows for the root and every node ([m + 1, V] logits in): argmax ids [m + 1]
     (greedy), probs [m + 1, V], or with `log` log-probabilities [m + 1, V] (greedy: of the penalised logits at
     temperature 1). Row i + 1 sees node i's path for the penalties and its depth for min_tokens."""

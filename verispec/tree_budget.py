@@ -14,7 +14,8 @@ Both terms are measured, and pooled so that no single noisy measurement decides:
   grown with that depth and budget, and the accepted path restricted to them is what it would have accepted
   (the target's draws at the nodes are the same). So every verified tree measures E for every (d, n) it
   contains, not just its own. Trees larger than the chosen one are measured in probe rounds (the largest tree,
-  every `probe_every` rounds, and while nothing is measured yet).
+  every `probe_every` rounds, and while nothing is measured yet); a plain round between probes measures plain
+  decoding's cost again.
 """
 
 from __future__ import annotations
@@ -100,22 +101,19 @@ class TreeBudget:
         self.accepted = AcceptedTable(max_depth, max_nodes)
         self.t_step: float | None = None  # seconds per draft forward
         self.rounds = 0
-        self.last: Plan = Plan(0)
 
     def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
         pass
 
     def choose(self, view: RoundView) -> Plan:
-        self.last = self._choose(view)
-        return self.last
-
-    def _choose(self, view: RoundView) -> Plan:
         if view.limit < 1 or view.source == "none" or self.verify.plain is None:
             return Plan(0)  # a plain round measures the pass every tree is weighed against
         self.rounds += 1
         depth_cap = min(self.max_depth, view.limit)
         if self.t_step is None or not self.accepted.mean or self.rounds % self.probe_every == 0:
-            return Plan(self.max_nodes, depth=depth_cap)
+            return Plan(self.max_nodes, depth=depth_cap)  # the largest tree: measures E for every smaller one
+        if self.rounds % self.probe_every == self.probe_every // 2:
+            return Plan(0)  # plain decoding's cost again, so that no early timing decides it for good
         best, plan = 1.0 / self.verify.plain, Plan(0)
         for (d, n), accepted in self.accepted.mean.items():
             if d > depth_cap:

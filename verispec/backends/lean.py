@@ -230,17 +230,19 @@ class LeanBatch:
 
     @torch.inference_mode()
     def forward_tree(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, base: int,
-                     visible: torch.Tensor) -> torch.Tensor:
-        """Append n tree nodes to slot `slot`'s cache (stored in the order given, at positions `positions` [n]
-        for RoPE) and return their logits [n, V]. Every node sees the cache before `base` (the committed
-        sequence); of what lies from `base` on (nodes appended earlier, then these), node i sees the columns
-        where visible[i] [length - base + n] is True: its ancestors and itself."""
+                     visible: torch.Tensor, last_position: int) -> torch.Tensor:
+        """Append n >= 1 tree nodes to slot `slot`'s cache (stored in the order given, at positions `positions`
+        [n] for RoPE, the largest `last_position`, given by the caller so as not to read it off the device) and
+        return their logits [n, V]. Every node sees the cache before `base` (the committed sequence); of what
+        lies from `base` on (nodes appended earlier, then these), node i sees the columns where visible[i]
+        [length - base + n] is True: its ancestors and itself."""
         n, start = tokens.numel(), self.lengths[slot]
         end = start + n
-        if visible.shape != (n, end - base):
-            raise ValueError(f"visible must be [{n}, {end - base}], got {list(visible.shape)}")
-        if int(positions.max()) >= self.max_length:
-            raise ValueError(f"a tree node at position {int(positions.max())} exceeds the model's context of "
+        if n < 1 or not 0 <= base <= start or visible.shape != (n, end - base):
+            raise ValueError(f"a tree pass needs nodes, a base within the cache ({start}) and visible [n, "
+                             f"{end - base}]; got {n} nodes, base {base}, visible {list(visible.shape)}")
+        if last_position >= self.max_length:
+            raise ValueError(f"a tree node at position {last_position} exceeds the model's context of "
                              f"{self.max_length}")
         if end > self._capacity:
             self._grow(end)
@@ -259,8 +261,9 @@ class LeanBatch:
     def keep(self, slot: int, base: int, rows: list[int]) -> None:
         """Keep, after `base`, only the cached rows base + rows[i] (in that order, rows ascending): the path a
         tree verification accepted moves to base, base + 1, ...; the slot's length becomes base + len(rows)."""
-        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or base + rows[-1] >= self.lengths[slot])):
-            raise ValueError(f"rows {rows} are not ascending rows of the {self.lengths[slot] - base} held after {base}")
+        held = self.lengths[slot] - base
+        if held < 0 or any(b <= a for a, b in zip(rows, rows[1:])) or (rows and not 0 <= rows[0] <= rows[-1] < held):
+            raise ValueError(f"rows {rows} are not ascending rows of the {held} held after {base}")
         moved = [i for i, r in enumerate(rows) if r != i]
         if moved:
             src = torch.tensor([base + rows[i] for i in moved], device=self.device)
@@ -314,10 +317,10 @@ class LeanModel:
         """tokens: [n] long on self.device -> logits [n, V] (or [1, V] with last_only)."""
         return self._batch.forward_rows([0], [tokens], last_only)[0]
 
-    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, base: int,
-                     visible: torch.Tensor) -> torch.Tensor:
+    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, base: int, visible: torch.Tensor,
+                     last_position: int) -> torch.Tensor:
         """Tree nodes: see LeanBatch.forward_tree."""
-        return self._batch.forward_tree(0, tokens, positions, base, visible)
+        return self._batch.forward_tree(0, tokens, positions, base, visible, last_position)
 
     def keep(self, base: int, rows: list[int]) -> None:
         """Keep an accepted path's rows after `base`: see LeanBatch.keep."""

@@ -98,12 +98,16 @@ class TreeDraftModel(DraftModelProposer):
             for r, cols in enumerate(rows):
                 visible[r, cols] = True
             node_ids = torch.tensor([tokens[i] for i in chosen], device=seq.device_ids.device)
-            positions = torch.full((len(chosen),), base - 1 + d, device=seq.device_ids.device)
-            logits = self.model.forward_tree(node_ids, positions, base, visible.to(seq.device_ids.device))
+            positions = torch.full((len(chosen),), base - 1 + d, dtype=torch.long, device=seq.device_ids.device)
+            logits = self.model.forward_tree(node_ids, positions, base, visible.to(seq.device_ids.device),
+                                             last_position=base - 1 + d)
             q = self._ranking(align_vocab(logits, self.vocab_size))
             frontier, frontier_scores = chosen, [scores[i] for i in chosen]
             steps += 1
         keep = _best(parents, scores, depths, k)
+        if not keep:  # no candidate has q > 0 (e.g. a filter left none): no tree, the round decodes plainly
+            self._rows = {}
+            return empty
         index = {node: i for i, node in enumerate(keep)}
         self._rows = {index[node]: row for node, row in self._rows.items() if node in index}
         tree = TokenTree(torch.tensor([tokens[i] for i in keep], device=seq.device_ids.device),
@@ -115,13 +119,14 @@ class TreeDraftModel(DraftModelProposer):
         """Keep in the draft's cache the accepted nodes it fed (in place after _base); it catches up on the
         rest next round, as a chain draft does on its last token."""
         tree, rows = self._tree, []
-        if tree is not None:
-            committed, node = seq.ids[self._base : self._base + accepted], ROOT
-            for token in committed:
-                node = tree.children[node + 1].get(token, None)
-                if node is None or node not in self._rows:
-                    break
-                rows.append(self._rows[node])
+        if tree is None:  # nothing was drafted: the cache holds committed tokens only
+            return
+        node = ROOT
+        for token in seq.ids[self._base : self._base + accepted]:
+            node = tree.children[node + 1].get(token, None)
+            if node is None or node not in self._rows:
+                break
+            rows.append(self._rows[node])
         self.model.keep(self._base, rows)
         self._held_seq, self._held_len = seq, self.model.length
         self._tree, self._rows = None, {}
