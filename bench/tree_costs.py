@@ -35,59 +35,50 @@ def _chain_tree(n: int, width: int = 4):
     return TokenTree(torch.tensor(tokens, dtype=torch.long), parents)
 
 
-def _median_seconds(run, repeats: int = 5) -> float:
+def _prefill(model, context: int, seed: int) -> torch.device:
+    """A fresh cache of `context` random tokens; returns the model's device."""
+    model.reset()
+    model.forward(torch.randint(0, 30000, (context,), generator=torch.Generator().manual_seed(seed)).to(model.device))
+    return model.device
+
+
+def _pass_seconds(model, tokens, positions, visible, context: int, repeats: int = 5) -> float:
+    """Median seconds of one tree pass appended to the `context`-token cache (rolled back after each), the
+    first run left out (warm-up)."""
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        run()
+        model.forward_tree(tokens, positions, context, visible, int(positions.max()))
+        model.rollback(context)
+        sync(model.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
 
 def tree_pass_costs(model, nodes: list[int], context: int = 300) -> list[dict]:
     """Seconds of one tree verify pass per node count (n = 0: the plain step, one token)."""
-    gen, device = torch.Generator().manual_seed(0), model.device
-    model.reset()
-    model.forward(torch.randint(0, 30000, (context,), generator=gen).to(device))
-    rows = []
+    device, rows = _prefill(model, context, 0), []
     for n in [0, *nodes]:
         tree = _chain_tree(n)
         tokens = torch.cat([torch.tensor([11]), tree.tokens]).to(device)
         positions = (context + torch.tensor([0, *tree.depths], dtype=torch.long)).to(device)
         visible = torch.cat([torch.ones(n + 1, 1, dtype=torch.bool), tree.paths()], dim=1).to(device)
-
-        def run():
-            model.forward_tree(tokens, positions, context, visible, context + tree.depth)
-            model.rollback(context)
-            sync(device)
-
-        rows.append({"nodes": n, "seconds": _median_seconds(run)})
-    plain = rows[0]["seconds"]
+        rows.append({"nodes": n, "seconds": _pass_seconds(model, tokens, positions, visible, context)})
     for r in rows:
-        r["vs_plain"] = r["seconds"] / plain
+        r["vs_plain"] = r["seconds"] / rows[0]["seconds"]
     return rows
 
 
 def frontier_costs(model, widths: list[int], context: int = 300) -> list[dict]:
     """Seconds of one draft forward over a frontier of w nodes (w = 1: a chain's draft step)."""
-    gen, device = torch.Generator().manual_seed(1), model.device
-    model.reset()
-    model.forward(torch.randint(0, 30000, (context,), generator=gen).to(device))
-    rows = []
+    device, rows = _prefill(model, context, 1), []
     for w in widths:
         tokens = torch.arange(200, 200 + w, device=device)
         positions = torch.full((w,), context, dtype=torch.long, device=device)
         visible = torch.eye(w, dtype=torch.bool, device=device)
-
-        def run():
-            model.forward_tree(tokens, positions, context, visible, context)
-            model.rollback(context)
-            sync(device)
-
-        rows.append({"width": w, "seconds": _median_seconds(run)})
-    one = rows[0]["seconds"]
+        rows.append({"width": w, "seconds": _pass_seconds(model, tokens, positions, visible, context)})
     for r in rows:
-        r["vs_one"] = r["seconds"] / one
+        r["vs_one"] = r["seconds"] / rows[0]["seconds"]
     return rows
 
 
