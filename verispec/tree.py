@@ -53,6 +53,7 @@ class TokenTree:
     scores: list[float] = field(default_factory=list)
     depths: list[int] = field(init=False)
     children: list[dict[int, int]] = field(init=False)  # per row (0: the root, i + 1: node i): token -> node
+    _paths: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         m = self.tokens.numel()
@@ -82,14 +83,18 @@ class TokenTree:
         return max(self.depths, default=0)
 
     def paths(self) -> torch.Tensor:
-        """[m + 1, m] bool: row 0 (the root) sees no node, row i + 1 (node i) its ancestors and itself."""
+        """[m + 1, m] bool: row 0 (the root) sees no node, row i + 1 (node i) its ancestors and itself (built
+        once per tree: the target's mask and the penalties' rows both use it)."""
+        if self._paths is not None:
+            return self._paths
         m = len(self)
         seen = torch.zeros(m + 1, m, dtype=torch.bool)
         for i, parent in enumerate(self.parents):
             if parent != ROOT:
                 seen[i + 1] = seen[parent + 1]
             seen[i + 1, i] = True
-        return seen.to(self.tokens.device)
+        self._paths = seen.to(self.tokens.device)
+        return self._paths
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to `node`."""
@@ -106,7 +111,7 @@ def tree_rows(logits: torch.Tensor, tree: TokenTree, params: SamplingParams, seq
     (greedy), probs [m + 1, V], or with `log` log-probabilities [m + 1, V] (greedy: of the penalised logits at
     temperature 1). Row i + 1 sees node i's path for the penalties and its depth for min_tokens."""
     vocab = logits.shape[-1]
-    paths = torch.cat([torch.zeros(1, len(tree), dtype=torch.bool, device=logits.device), tree.paths()[1:]])
+    paths = tree.paths()  # row 0, the root's, sees no node
     presence = presence_rows(seq.presence(vocab), tree.tokens, paths) if params.penalised else None
     counts = None
     if params.counted:
