@@ -22,6 +22,7 @@ from verispec.build import (
     TargetSpec,
     build,
     choose_backend,
+    choose_dtype,
     default_refs,
     describe_machine,
     resolve,
@@ -56,6 +57,36 @@ def test_choose_backend_on_fake_machines(machine, backend, words):
     chosen, reason = choose_backend(machine)
     assert chosen == backend and words in reason and "\n" not in reason
     assert reason.startswith("llama.cpp:" if backend == "llamacpp" else "transformers:")
+
+
+@pytest.mark.parametrize("flags, dtype, words", [
+    ({"avx512f", "amx_tile", "amx_bf16"}, "bf16", "amx_bf16"),  # Intel Xeon with AMX
+    ({"avx512f", "avx512_bf16"}, "bf16", "avx512_bf16"),  # AMD EPYC Zen 4
+    ({"avx512f", "avx512_vnni", "avx2"}, "fp32", "no native bf16"),  # bf16 would be emulated
+    (set(), "fp32", "no native bf16"),  # no /proc/cpuinfo
+])
+def test_choose_dtype_on_fake_cpus(flags, dtype, words):
+    chosen, reason = choose_dtype(torch.device("cpu"), frozenset(flags))
+    assert chosen == dtype and words in reason and reason.startswith(f"{dtype}:")
+
+
+def test_the_dtype_defaults_to_the_cpus_choice(pair_dirs, monkeypatch, capsys):
+    import verispec.build as build_module
+
+    target, draft = pair_dirs
+    for flags, dtype, torch_dtype in (({"amx_bf16"}, "bf16", torch.bfloat16), ({"avx2"}, "fp32", torch.float32)):
+        monkeypatch.setattr(build_module, "cpu_flags", lambda flags=flags: frozenset(flags))
+        pipe = build(TargetSpec(target, backend="hf", device="cpu"), DraftSpec("model", draft), 2)
+        assert pipe.dtype == dtype and pipe.setup()["dtype"] == dtype
+        assert pipe.reason.endswith("; " + choose_dtype(torch.device("cpu"), frozenset(flags))[1])
+        assert pipe.generator.target.model.dtype == torch_dtype
+    assert build(TargetSpec(target, device="cpu", dtype="bf16"), None).dtype == "bf16"  # asked for: kept, no reason
+    assert "bf16" not in build(TargetSpec(target, device="cpu", dtype="bf16"), None).reason
+    assert main(["generate", "--target", target, "--no-speculation", "--prompt", "hi", "--max-new-tokens", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["dtype"] == "fp32" and out["reason"].endswith("fp32: the CPU has no native bf16 (neither AVX512-BF16 "
+                                                            "nor AMX-BF16)")
 
 
 def test_a_gguf_file_without_llama_cpp_is_a_clear_error():
@@ -180,8 +211,8 @@ def test_generate_json_says_what_runs_and_why(pair_dirs, capsys):
     assert main([*common, "--drafter", "model"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (out["backend"], out["drafter"], out["k"]) == ("hf", "model", 4)
-    assert out["reason"] == "transformers: the target has no GGUF file"
-    assert main([*common, "--backend", "hf", "-k", "2", "--drafter", "hybrid"]) == 0
+    assert out["reason"].startswith("transformers: the target has no GGUF file; ")  # then the dtype's
+    assert main([*common, "--backend", "hf", "-k", "2", "--drafter", "hybrid", "--dtype", "fp32"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (out["backend"], out["drafter"], out["k"], out["reason"]) == ("hf", "hybrid", 2, "transformers: asked for")
 

@@ -6,7 +6,7 @@ about how fields combine lives in `check_specs`. Each axis has one registry at t
 (backend name -> loader) and `DRAFTERS` (drafter name -> proposer factory). `choose_backend` picks the
 target's backend for a machine, `DEFAULTS` the drafter and k each backend gets when none is asked for.
 `resolve` turns the specs' "auto" choices into concrete ones (backend, drafter, draft quantisation,
-device), `ModelStore` loads each model once however many pipelines use it (and warms it up), and `build`
+device, dtype), `ModelStore` loads each model once however many pipelines use it (and warms it up), and `build`
 puts one pipeline together. `load` is the public entry point over all of it.
 """
 
@@ -100,7 +100,7 @@ class TargetSpec:
     (then `tokenizer` is required, and the model runs where it is, in its own dtype). `backend`: a name in
     BACKENDS, or auto (the fastest for this machine and target, see choose_backend). `device`: auto (CUDA
     when available), cpu, cuda or cuda:N. `dtype`: bf16, fp16 or fp32 for a model verispec loads (None:
-    bf16). `ctx_size`: llama.cpp's context in tokens (None: the model's trained context, bounded by memory,
+    the fastest the device computes in, see choose_dtype). `ctx_size`: llama.cpp's context in tokens (None: the model's trained context, bounded by memory,
     see verispec.backends.llamacpp.context_size); transformers models ignore it.
     """
 
@@ -337,6 +337,39 @@ def resolve_target_backend(target: TargetSpec) -> tuple[str, str]:
     return choose_backend(describe_machine(target))
 
 
+# CPU feature flags (Linux's /proc/cpuinfo names) of bf16 matrix instructions; without one, bf16 matmuls are
+# emulated through fp32 and run slower than fp32 itself (docs/performance.md)
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux lists them in /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose_dtype(device: torch.device, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(dtype, one-line reason) for a model verispec loads when none is asked for: bf16 where the device
+    multiplies bf16 natively (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX-BF16), fp16 on an
+    older GPU, fp32 on any other CPU, where bf16 is emulated and slower than fp32 (docs/performance.md).
+    `flags`: the CPU's feature flags (default: cpu_flags())."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "bf16: the GPU computes in bf16"
+        return "fp16", "fp16: the GPU has no bf16"
+    flags = cpu_flags() if flags is None else flags
+    native = [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+    if native:
+        return "bf16", f"bf16: the CPU multiplies bf16 natively ({', '.join(native)})"
+    return "fp32", "fp32: the CPU has no native bf16 (neither AVX512-BF16 nor AMX-BF16)"
+
+
 def resolve_backends(target: TargetSpec, draft: DraftSpec | None) -> tuple[str, str | None]:
     """The backend each model runs on: the target's as asked, or resolve_target_backend's for 'auto'; the
     draft's as asked, or the target's for 'auto' (a transformers target drafts with a transformers draft,
@@ -397,7 +430,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 
 def resolve(target: TargetSpec, draft: DraftSpec | None) -> tuple[TargetSpec, DraftSpec | None, torch.device]:
-    """Specs with every 'auto' decided (backends, drafter, draft quantisation, device), checked by
+    """Specs with every 'auto' decided (backends, drafter, draft quantisation, device, dtype), checked by
     check_specs, and the device the pipeline runs on."""
     backend, draft_backend = resolve_backends(target, draft)
     target = replace(target, backend=backend)
@@ -408,6 +441,8 @@ def resolve(target: TargetSpec, draft: DraftSpec | None) -> tuple[TargetSpec, Dr
             device = resolve_device(target.device)
         except ModelError as exc:  # e.g. CUDA asked for where there is none
             raise SpecError(str(exc), "target.device") from None
+        if target.dtype is None:
+            target = replace(target, dtype=choose_dtype(device)[0])
     if draft is not None and draft.drafter == "auto":
         draft = replace(draft, drafter=default_drafter(backend, draft.model is not None))
     if draft is not None and draft.model is not None:
@@ -584,9 +619,10 @@ class ModelStore:
 
 
 def _dtype(target: TargetSpec) -> torch.dtype:
+    """The torch dtype of a resolved target's weights (a loaded model keeps its own)."""
     if is_loaded(target.model):
         return next(target.model.parameters()).dtype
-    return DTYPES[target.dtype or "bf16"]
+    return DTYPES[target.dtype]
 
 
 def _forward_name(model: Model | None, backend: str | None) -> str:
@@ -607,10 +643,13 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     if k is not None:
         check_k(k)
     backend, reason = resolve_target_backend(target)
+    dtype_auto = target.dtype is None and not is_loaded(target.model)
     default_pair = draft is not None and draft.drafter == "auto"
     target, draft, device = resolve(replace(target, backend=backend), draft)
     has_model = draft is not None and draft.model is not None
     draft_backend = draft.backend if has_model else None
+    if dtype_auto and "hf" in (target.backend, draft_backend):  # a model loaded through transformers
+        reason += "; " + choose_dtype(device)[1]
     defaults = DEFAULTS.get(target.backend)
     if (k is None and default_pair and defaults is not None and draft.drafter == defaults.drafter
             and draft_backend in (None, target.backend)):  # the backend's own default pair
@@ -732,8 +771,8 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
     hybrid-suffix), auto (the backend's default, see DEFAULTS; the default pair's draft is loaded only when
     that drafter uses one), or None: plain decoding. `k`: draft tokens per round, or 'auto' (None: the
     backend's default with its default drafter, else 4, or 'auto' where llama.cpp runs). The other options
-    are the fields of TargetSpec and DraftSpec (`ctx_size` applies to every llama.cpp model of the pair).
-    `pipe.reason` says why the backend was chosen."""
+    are the fields of TargetSpec and DraftSpec (`ctx_size` applies to every llama.cpp model of the pair;
+    `dtype` None: see choose_dtype). `pipe.reason` says why the backend (and a dtype not asked for) was chosen."""
     if not is_loaded(target):
         target, draft = default_refs(target, draft, drafter, pull_missing, backend, device)
     target_spec = TargetSpec(target, backend, device, dtype, ctx_size, tokenizer)
@@ -748,7 +787,7 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
 __all__ = [
     "BACKENDS", "DEFAULTS", "DRAFTERS", "Backend", "Defaults", "DraftSpec", "Drafter", "LoadRequest", "Machine",
     "ModelStore", "SpecError", "TargetSpec", "batch_generator", "batch_unsupported", "build", "check_specs",
-    "choose_backend", "choose_draft_quant",
+    "choose_backend", "choose_draft_quant", "choose_dtype",
     "default_drafter", "default_k", "default_refs", "describe_machine", "load", "resolve", "resolve_backends",
     "resolve_target_backend", "warm_up",
 ]

@@ -69,8 +69,9 @@ class ChatBot:
 
     @classmethod
     def from_models(cls, target: str | None = None, draft: str | None = None, device: str = "auto",
-                    dtype: str = "bf16", num_draft_tokens: int | str = 4, **kwargs) -> "ChatBot":
-        """A ChatBot over verispec.load(target, draft) (None, None: the default pair)."""
+                    dtype: str | None = None, num_draft_tokens: int | str = 4, **kwargs) -> "ChatBot":
+        """A ChatBot over verispec.load(target, draft) (None, None: the default pair; dtype None: the device's
+        fastest, see verispec.build.choose_dtype)."""
         from verispec.build import load
 
         return cls(load(target, draft, device=device, dtype=dtype, k=num_draft_tokens), **kwargs)

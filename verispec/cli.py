@@ -59,7 +59,9 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--draft", help="draft model (same forms) (default: the default pair's draft when --target is "
                                    "not given, else none)")
     p.add_argument("--device", default="auto", type=_device_arg, help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                   help="weights dtype of models loaded through transformers; auto: bf16 where the device computes "
+                        "in bf16 natively (CUDA, CPUs with AVX512-BF16 or AMX), else fp32 on a CPU")
     p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "llamacpp"],
                    help="target backend: hf (transformers), llamacpp (the GGUF file on llama.cpp; needs the "
@@ -217,7 +219,8 @@ def _specs(args, drafter: str | None):
     from verispec.build import DraftSpec, TargetSpec, default_refs
 
     target, draft = default_refs(args.target, args.draft, drafter, args.pull, args.backend, args.device)
-    target_spec = TargetSpec(target, args.backend, args.device, args.dtype, args.ctx_size)
+    target_spec = TargetSpec(target, args.backend, args.device, None if args.dtype == "auto" else args.dtype,
+                             args.ctx_size)
     if drafter is None:
         return target_spec, None
     return target_spec, DraftSpec(drafter, None if drafter in FREE_DRAFTERS else draft, args.draft_backend,
@@ -314,6 +317,7 @@ def cmd_generate(args) -> int:
             "num_draft_tokens": pipe.generator.num_draft_tokens,
             "k": pipe.k,
             "backend": pipe.backend,
+            "dtype": pipe.dtype,
             "reason": pipe.reason,
             "draft_backend": pipe.draft_backend,
             "draft_quant": pipe.draft_quant,
@@ -525,7 +529,7 @@ def cmd_bench(args) -> int:
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
                     "torch": torch.__version__, "device": str(pipe.device)},
-        "target": target, "draft": draft, "device": str(pipe.device), "dtype": args.dtype,
+        "target": target, "draft": draft, "device": str(pipe.device), "dtype": pipe.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "repeats": args.repeats,
         "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab,

@@ -172,13 +172,20 @@ class Pipeline:
         return None if self.draft_model is None else self.draft.backend
 
     @property
+    def dtype(self) -> str | None:
+        """The dtype of the models verispec loaded through transformers (bf16, fp16, fp32; None: there are
+        none, e.g. both on llama.cpp, or the target was passed loaded and keeps its own)."""
+        return self.target.dtype if "hf" in (self.backend, self.draft_backend) else None
+
+    @property
     def k(self) -> int | str:
         """Draft tokens per round: an integer (0: plain decoding) or 'auto'."""
         return self.generator.num_draft_tokens
 
     def setup(self) -> dict[str, object]:
-        """What runs and why, for front ends to show: backend, drafter, k and the reason."""
-        return {"backend": self.backend, "drafter": self.drafter, "k": self.k, "reason": self.reason}
+        """What runs and why, for front ends to show: backend, drafter, k, dtype and the reason."""
+        return {"backend": self.backend, "drafter": self.drafter, "k": self.k, "dtype": self.dtype,
+                "reason": self.reason}
 
     @property
     def draft_quant(self) -> str:
