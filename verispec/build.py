@@ -6,8 +6,8 @@ about how fields combine lives in `check_specs`. Each axis has one registry at t
 (backend name -> loader) and `DRAFTERS` (drafter name -> proposer factory). `choose_backend` picks the
 target's backend for a machine, `DEFAULTS` the drafter and k each backend gets when none is asked for.
 `resolve` turns the specs' "auto" choices into concrete ones (backend, drafter, draft quantisation,
-device, dtype), `ModelStore` loads each model once however many pipelines use it (and warms it up), and `build`
-puts one pipeline together. `load` is the public entry point over all of it.
+device, dtype), `ModelStore` loads each model once however many pipelines use it (and warms it up), and
+`build` puts one pipeline together. `load` is the public entry point over all of it.
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ class TargetSpec:
     (then `tokenizer` is required, and the model runs where it is, in its own dtype). `backend`: a name in
     BACKENDS, or auto (the fastest for this machine and target, see choose_backend). `device`: auto (CUDA
     when available), cpu, cuda or cuda:N. `dtype`: bf16, fp16 or fp32 for a model verispec loads (None:
-    the fastest the device computes in, see choose_dtype). `ctx_size`: llama.cpp's context in tokens (None: the model's trained context, bounded by memory,
-    see verispec.backends.llamacpp.context_size); transformers models ignore it.
+    the fastest the device computes in, see choose_dtype). `ctx_size`: llama.cpp's context in tokens (None:
+    the model's trained context, bounded by memory, see verispec.backends.llamacpp.context_size);
+    transformers models ignore it.
     """
 
     model: Any
