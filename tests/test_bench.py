@@ -11,7 +11,7 @@ from tiny import save_tiny_pair
 
 import verispec.bench.harness as harness
 from verispec.bench.harness import Bench, Config, balanced_orders, first_difference, run_benchmark
-from verispec.bench.loader import load_prompts, select
+from verispec.bench.loader import Prompt, answer_history, load_prompts, select
 from verispec.bench.report import (
     alpha_from_mean_length,
     build_report,
@@ -21,6 +21,7 @@ from verispec.bench.report import (
 from verispec.build import BACKENDS, Backend, DraftSpec, TargetSpec
 from verispec.cli import main
 from verispec.sampling import SamplingParams
+from verispec.text import encode_messages
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -78,6 +79,75 @@ def test_prompt_formats(tmp_path):
     bad.write_text('{"x": 1}\n')
     with pytest.raises(ValueError, match="expected a 'turns'"):
         load_prompts(bad)
+
+
+def test_later_turns_carry_their_history(tmp_path):
+    mt = tmp_path / "mt.jsonl"
+    mt.write_text("\n".join(json.dumps(r) for r in [
+        {"question_id": 81, "category": "writing", "turns": ["a", "b"]},
+        {"question_id": 82, "category": "writing", "turns": ["c"]},
+        {"question_id": 83, "category": "coding", "turns": ["d", "e", "f"]},
+    ]))
+    second = load_prompts(mt, turn=2)
+    assert [(p.id, p.text, p.history) for p in second] == [("81", "b", ("a",)), ("83", "e", ("d",))]
+    assert [(p.id, p.text, p.history) for p in load_prompts(mt, turn=3)] == [("83", "f", ("d", "e"))]
+    assert [p.history for p in load_prompts(mt)] == [(), (), ()]
+    with pytest.raises(ValueError, match="no question has 4 turns"):
+        load_prompts(mt, turn=4)
+    he = tmp_path / "he.jsonl"
+    he.write_text(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n"}) + "\n")
+    txt = tmp_path / "p.txt"
+    txt.write_text("one\n")
+    for one_turn in (he, txt):
+        with pytest.raises(ValueError, match="turn 2 needs multi-turn"):
+            load_prompts(one_turn, turn=2)
+
+    asked = []
+
+    def answer(p):
+        asked.append(p.messages())
+        return f"answer to {p.text}"
+
+    answered = answer_history(load_prompts(mt, turn=3), answer)
+    assert asked == [[{"role": "user", "content": "d"}],
+                     [{"role": "user", "content": "d"}, {"role": "assistant", "content": "answer to d"},
+                      {"role": "user", "content": "e"}]]
+    assert answered[0].messages()[-2:] == [{"role": "assistant", "content": "answer to e"},
+                                           {"role": "user", "content": "f"}]
+    with pytest.raises(ValueError, match="answers"):
+        load_prompts(mt, turn=3)[0].messages()  # earlier turns not answered yet
+
+
+def test_a_second_turn_runs_on_the_whole_conversation(pair_dirs, monkeypatch):
+    """Every configuration is timed on [turn 1, the target's plain greedy answer, turn 2]."""
+    bench = _tiny_bench(pair_dirs)
+    prompt = Prompt("81", "writing", "Now say it again.", True, ("Say something.",))
+    seen = []
+    one = harness._one
+    monkeypatch.setattr(harness, "_one", lambda b, c, ids, *a: seen.append(ids) or one(b, c, ids, *a))
+    runs = run_benchmark(bench, [prompt], [Config("verispec k=2", "spec", 2)], SamplingParams(), max_new_tokens=6,
+                         warmup=0)
+    first = bench.baseline.generate([{"role": "user", "content": "Say something."}], max_new_tokens=6).text
+    assert first
+    expected = encode_messages(bench.baseline.tokenizer, [
+        {"role": "user", "content": "Say something."}, {"role": "assistant", "content": first},
+        {"role": "user", "content": "Now say it again."}])
+    assert seen == [expected, expected]  # the baseline and the speculative configuration
+    assert all(r.ok for r in runs) and runs[1].identical
+
+
+def test_cli_bench_second_turns(pair_dirs, tmp_path, capsys):
+    target, draft = pair_dirs
+    mt = tmp_path / "mt.jsonl"
+    mt.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": turns}) for i, (c, turns) in
+                            enumerate([("writing", ["a", "b"]), ("coding", ["c"]), ("math", ["d", "e"])])))
+    code = main(["bench", "--target", target, "--draft", draft, "--dtype", "fp32", "--prompts", str(mt),
+                 "--turn", "2", "--max-new-tokens", "6", "-k", "2", "--warmup", "0", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["turn"] == 2
+    assert sorted({r["prompt_id"] for r in report["runs"]}) == ["0", "2"]
+    assert main(["bench", "--target", target, "--draft", draft, "--turn", "0"]) == 2
 
 
 def _tiny_bench(pair_dirs) -> Bench:

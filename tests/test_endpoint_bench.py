@@ -60,6 +60,9 @@ def test_request_for_chat_and_completion():
     assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
     path, body = request_for(Prompt("b", "humaneval", "def f():", False), "m", {}, 8)
     assert path == "/completions" and body["prompt"] == "def f():"
+    _, body = request_for(Prompt("c", "writing", "again", True, ("hi",), ("hello",)), "m", {}, 8)
+    assert body["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                                {"role": "user", "content": "again"}]
 
 
 def _chunk(text=None, finish=None, usage=None, **extra):
@@ -226,3 +229,21 @@ def test_a_failed_prompt_is_a_failed_row_and_the_run_goes_on(verispec_server, tm
     assert ok["error"] is None and ok["new_tokens"] > 0
     assert failed["error"].startswith("EndpointError: HTTP 400") and "\n" not in failed["error"]
     assert report["configs"][0]["overall"]["failed"] == 1 and "FAILED" in err
+
+
+@pytest.mark.integration
+def test_second_turns_carry_the_first_answer(verispec_server, tmp_path, capsys):
+    """With --turn 2 the baseline endpoint answers turn 1 first, and every endpoint gets the whole conversation."""
+    first, second = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    first.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Again, louder."]}) + "\n")
+    second.write_text(json.dumps({"question_id": 1, "category": "writing",
+                                  "turns": ["Say hello.", "Again, louder."]}) + "\n")
+    prompt_tokens = []
+    for path, turn in ((first, "1"), (second, "2")):
+        rc, out, _ = _bench(["--endpoint", f"{verispec_server.url}/v1", "--prompts", str(path), "--turn", turn], capsys)
+        assert rc == 0
+        report = json.loads(out.strip().splitlines()[-1])
+        (run,) = report["runs"]
+        assert run["error"] is None and report["turn"] == int(turn)
+        prompt_tokens.append(run["prompt_tokens"])
+    assert prompt_tokens[1] > prompt_tokens[0] + len("Say hello.")  # byte tokenizer: turn 1 and its answer too

@@ -353,6 +353,33 @@ def test_dead_worker_is_reported(pair_dirs, monkeypatch):
     asyncio.run(scenario())
 
 
+def test_a_job_submitted_as_the_worker_dies_is_refused_not_stranded(monkeypatch):
+    """submit checks that the worker is alive, then queues; if the thread finishes dying (its last act answers
+    every waiting job) in between, the job must be refused, not left in a queue nobody reads."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from verispec.sampling import SamplingParams
+    from verispec.server.worker import Job, ShuttingDown, Worker
+
+    gauge = SimpleNamespace(set=lambda value: None)
+    worker = Worker(SimpleNamespace(), max_queue=4, metrics=SimpleNamespace(waiting=gauge, running=gauge))
+    worker.jobs.put(None)  # the thread leaves at once (as if it died), answering what waits
+    worker.start()
+    worker._thread.join(10)
+    assert not worker.alive
+    monkeypatch.setattr(Worker, "alive", property(lambda self: True))  # the check passed before it died
+    monkeypatch.setattr(worker, "_stopping", False)
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job([1], SamplingParams(), 4, 0, [], loop)
+        with pytest.raises(ShuttingDown, match="stopped unexpectedly"):
+            worker.submit(job)
+        assert len(worker.jobs) == 0
+    finally:
+        loop.close()
+
+
 def test_a_failed_batch_round_answers_its_jobs_and_serving_goes_on(pair_dirs, monkeypatch):
     """A batched round that raises: its job gets an error event (no hang), the batch starts afresh, /health
     stays ok and the next request is answered in full."""

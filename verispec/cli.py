@@ -364,7 +364,7 @@ def _k_list(text: str, flag: str = "--num-draft-tokens") -> list[int | str]:
 def _bench_prompts(args) -> list:
     from verispec.bench.loader import load_prompts, select
 
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts, turn=args.turn)
     if args.categories:
         wanted = {c.strip() for c in args.categories.split(",") if c.strip()}
         unknown = wanted - {p.category for p in prompts}
@@ -433,7 +433,7 @@ def cmd_bench_endpoints(args) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
         "sampling": "greedy" if args.temperature == 0 else f"T={args.temperature} top_p={args.top_p}",
-        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "status": status,
+        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "turn": args.turn, "status": status,
     }
     report = build_endpoint_report(runs, endpoints, models, meta)
     _print_table(render_endpoint_table(report), args.json)
@@ -531,7 +531,7 @@ def cmd_bench(args) -> int:
                     "torch": torch.__version__, "device": str(pipe.device)},
         "target": target, "draft": draft, "device": str(pipe.device), "dtype": pipe.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
-        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "turn": args.turn, "repeats": args.repeats,
         "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab,
         "draft_forward": pipe.draft_forward, "draft_variants": variants,
         "backend": pipe.backend, "draft_backend": pipe.draft_backend,
@@ -781,6 +781,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = command("bench", "plain vs speculative decoding, same run: tables, JSON, plots")
     b.add_argument("--prompts", help="Spec-Bench/MT-Bench jsonl, HumanEval jsonl(.gz) or text file (default: "
                                      "the built-in set)")
+    b.add_argument("--turn", type=_positive_int, default=1, metavar="N",
+                   help="time the Nth user turn of multi-turn questions (MT-Bench: 2 = second turns), the "
+                        "earlier turns and their answers in the context; the answers are the target's plain "
+                        "greedy decoding (with --endpoint: the first endpoint's), not timed; questions with "
+                        "fewer turns are left out (default: 1)")
     b.add_argument("--limit", type=_positive_int, metavar="N", help="at most N prompts (default: all)")
     b.add_argument("--per-category", type=_positive_int, metavar="N",
                    help="at most N prompts per category (default: all)")

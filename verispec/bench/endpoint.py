@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from verispec.bench.loader import Prompt
+from verispec.bench.loader import Prompt, answer_history
 
 VLLM_COUNTERS = {"vllm:spec_decode_num_draft_tokens_total": "drafted",
                  "vllm:spec_decode_num_accepted_tokens_total": "accepted",
@@ -108,7 +108,7 @@ def request_for(prompt: Prompt, model: str, sampling: dict, max_tokens: int) -> 
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             **sampling}
     if prompt.chat:
-        return "/chat/completions", body | {"messages": [{"role": "user", "content": prompt.text}]}
+        return "/chat/completions", body | {"messages": prompt.messages()}
     return "/completions", body | {"prompt": prompt.text}
 
 
@@ -248,17 +248,30 @@ def served_model(client: httpx.Client, endpoint: Endpoint) -> str:
 
 # -- the run -------------------------------------------------------------------------------------
 
+def _greedy_answer(client: httpx.Client, endpoint: Endpoint, model: str, prompt: Prompt, max_tokens: int) -> str:
+    """The endpoint's greedy answer to a prompt (an earlier turn of a timed conversation; not recorded)."""
+    run = run_prompt(client, endpoint, model, prompt, {"temperature": 0.0}, max_tokens)
+    if not run.ok:
+        raise EndpointError(f"{endpoint.name}: answering an earlier turn failed: {run.error}")
+    return run.text
+
+
 def run_endpoints(endpoints: list[Endpoint], prompts: list[Prompt], sampling: dict, max_tokens: int,
                   warmup: int = 1, timeout: float = 600.0,
                   on_run: Callable[[EndpointRun], None] | None = None) -> tuple[list[EndpointRun], dict[str, str]]:
     """Every prompt on every endpoint, interleaved (prompt i starts at endpoint i mod n); the warm-up requests
-    (the first prompt, `warmup` times per endpoint) are not recorded. Returns the runs and each endpoint's model."""
+    (the first prompt, `warmup` times per endpoint) are not recorded. A prompt's earlier turns are answered
+    first by the first endpoint (greedy, not recorded), so that every endpoint gets the same conversation.
+    Returns the runs and each endpoint's model."""
     names = [e.name for e in endpoints]
     if len(set(names)) != len(names):
         raise ValueError(f"endpoint names must differ, got {names} (name them NAME=URL)")
     with httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0)) as client:
         models = {e.name: served_model(client, e) for e in endpoints}
         counters = {e.name: spec_counters(client, e) is not None for e in endpoints}
+        baseline = endpoints[0]
+        prompts = answer_history(
+            prompts, lambda p: _greedy_answer(client, baseline, models[baseline.name], p, max_tokens))
         for e in endpoints:
             for _ in range(warmup):
                 run_prompt(client, e, models[e.name], prompts[0], sampling, max_tokens)

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from verispec.backends import HFModel
-from verispec.bench.loader import Prompt
+from verispec.bench.loader import Prompt, answer_history
 from verispec.build import BACKENDS, DRAFTERS, DRAFT_FORWARDS, DraftSpec, ModelStore, SpecError, TargetSpec, build, resolve
 from verispec.pipeline import Pipeline
 from verispec.quant import QUANT_MODES
 from verispec.sampling import SamplingParams
-from verispec.text import encode_prompt
+from verispec.text import encode_messages, encode_prompt
 
 KINDS = ("plain", "spec", "hf", "hf-lookup", "llama", "llama-lookup")
 LOOKUP_CONTEXT = 4096  # llama-cpp-python's prompt lookup keeps n_ctx x V float32 scores: keep n_ctx modest
@@ -296,7 +296,8 @@ def run_benchmark(
     every prompt runs that many times per configuration (one block each, the orders balanced) and a Run pools them:
     summed tokens, seconds and counters, so its speedup is total tokens/s over the baseline's total tokens/s
     on that prompt, which averages out a noisy machine's swings that a single run cannot. Every
-    configuration's pipeline is built (its models loaded) before the first run."""
+    configuration's pipeline is built (its models loaded) before the first run. A prompt with earlier turns
+    runs on the whole conversation, its earlier answers the target's plain greedy ones (see answer_history)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     plain = Config("plain", "plain")
@@ -308,12 +309,20 @@ def run_benchmark(
         if c.kind in ("hf", "hf-lookup") and not isinstance(bench.baseline.generator.target, HFModel):
             raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs a transformers "
                              f"target (the 'hf' backend)")
-    encoded = [encode_prompt(bench.baseline.tokenizer, p.text, p.chat) for p in prompts]
+    prompts = answer_history(prompts, lambda p: _plain_answer(bench.baseline, p.messages(), max_new_tokens))
+    encoded = [encode_messages(bench.baseline.tokenizer, p.messages()) if p.history
+               else encode_prompt(bench.baseline.tokenizer, p.text, p.chat) for p in prompts]
     if encoded and warmup:
         for config in order:  # warm-up: allocator, kernels, caches; results discarded
             for _ in range(warmup):
                 _one(bench, config, encoded[0], params, min(8, max_new_tokens))
     return _interleaved(bench, prompts, encoded, order, params, max_new_tokens, on_run, repeats)
+
+
+def _plain_answer(pipe: Pipeline, messages: list[dict], max_new_tokens: int) -> str:
+    """The target's plain greedy answer to a conversation (an earlier turn of a timed one; not timed)."""
+    pipe.generator.reset()
+    return pipe.generate(messages, max_new_tokens=max_new_tokens, k=0).text
 
 
 def _interleaved(bench, prompts, encoded, order, params, max_new_tokens, on_run, repeats) -> list[Run]:

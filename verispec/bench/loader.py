@@ -1,11 +1,16 @@
-"""Prompt sets: Spec-Bench / MT-Bench question jsonl, HumanEval jsonl(.gz), plain text, the built-in set."""
+"""Prompt sets: Spec-Bench / MT-Bench question jsonl, HumanEval jsonl(.gz), plain text, the built-in set.
+
+A later turn of a multi-turn question (MT-Bench's second turns) is a Prompt with `history`, the earlier user
+turns; the answers to them are not in the files: `answer_history` fills them in from a model (the bench uses
+the target's plain greedy decoding, untimed), so that every configuration is timed on the same conversation."""
 
 from __future__ import annotations
 
 import gzip
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 BUILTIN = Path(__file__).with_name("prompts.jsonl")
@@ -19,15 +24,43 @@ class Prompt:
     category: str
     text: str
     chat: bool  # True: a user message for the chat template; False: raw completion (HumanEval)
+    history: tuple[str, ...] = ()  # earlier user turns of the conversation, oldest first
+    answers: tuple[str, ...] = ()  # the assistant's answers to them, once known (see answer_history)
+
+    def messages(self) -> list[dict]:
+        """The conversation up to this turn as chat messages: each earlier turn with its answer, then this one."""
+        if len(self.answers) != len(self.history):
+            raise ValueError(f"prompt {self.id}: its {len(self.history)} earlier turns have "
+                             f"{len(self.answers)} answers (see answer_history)")
+        messages = []
+        for user, assistant in zip(self.history, self.answers):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return messages + [{"role": "user", "content": self.text}]
+
+
+def answer_history(prompts: list[Prompt], answer: Callable[[Prompt], str]) -> list[Prompt]:
+    """Prompts whose earlier turns are answered: `answer(prompt)` gives the assistant's reply to a prompt's
+    conversation (see Prompt.messages); it is asked once per earlier turn, in order."""
+    out = []
+    for p in prompts:
+        answers: list[str] = []
+        for i, user in enumerate(p.history):
+            answers.append(answer(replace(p, text=user, history=p.history[:i], answers=tuple(answers))))
+        out.append(replace(p, answers=tuple(answers)))
+    return out
 
 
 def _open_text(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
-def load_prompts(path: str | Path | None = None, group_mt_bench: bool | None = None) -> list[Prompt]:
+def load_prompts(path: str | Path | None = None, group_mt_bench: bool | None = None, turn: int = 1) -> list[Prompt]:
     """Reads a prompt file; Spec-Bench's eight MT-Bench categories are grouped as `mt_bench` (as its
-    own evaluation does) when the file also has Spec-Bench's other categories."""
+    own evaluation does) when the file also has Spec-Bench's other categories. `turn` > 1: the `turn`-th user
+    turn of each multi-turn question, with the earlier ones as its history; questions with fewer turns are
+    left out."""
+    if turn < 1:
+        raise ValueError(f"turn must be >= 1, got {turn}")
     path = Path(path) if path else BUILTIN
     if not path.is_file():
         raise ValueError(f"prompt file not found: {path}")
@@ -37,6 +70,9 @@ def load_prompts(path: str | Path | None = None, group_mt_bench: bool | None = N
         raise ValueError(f"prompt file is empty: {path}")
     prompts: list[Prompt] = []
     if not lines[0].lstrip().startswith("{"):
+        if turn > 1:
+            raise ValueError(f"{path}: plain text prompts have one turn each; turn {turn} needs multi-turn "
+                             f"questions (a 'turns' field, as in MT-Bench)")
         return [Prompt(f"line-{i + 1}", "text", line.rstrip("\n"), True) for i, line in enumerate(lines)]
     for i, line in enumerate(lines):
         try:
@@ -44,17 +80,26 @@ def load_prompts(path: str | Path | None = None, group_mt_bench: bool | None = N
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{i + 1}: not valid JSON ({exc.msg})") from None
         if "turns" in rec:
-            prompts.append(Prompt(str(rec.get("question_id", i)), str(rec.get("category", "default")), rec["turns"][0], True))
+            turns = rec["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                raise ValueError(f"{path}:{i + 1}: 'turns' must be a non-empty list of strings")
+            if len(turns) >= turn:
+                prompts.append(Prompt(str(rec.get("question_id", i)), str(rec.get("category", "default")),
+                                      turns[turn - 1], True, tuple(turns[:turn - 1])))
         elif "prompt" in rec:  # HumanEval: code completion, no chat template
+            if turn > 1:
+                raise ValueError(f"{path}:{i + 1}: a HumanEval prompt has one turn; turn {turn} needs multi-turn "
+                                 f"questions (a 'turns' field, as in MT-Bench)")
             prompts.append(Prompt(str(rec.get("task_id", i)), "humaneval", rec["prompt"], False))
         else:
             raise ValueError(f"{path}:{i + 1}: expected a 'turns' (Spec-Bench/MT-Bench) or 'prompt' (HumanEval) field")
+    if not prompts:
+        raise ValueError(f"{path}: no question has {turn} turns")
     categories = {p.category for p in prompts}
     if group_mt_bench is None:  # looks like Spec-Bench: most of both families of categories present
         group_mt_bench = len(categories & SPEC_BENCH_ONLY) >= 3 and len(categories & MT_BENCH_CATEGORIES) >= 3
     if group_mt_bench:
-        prompts = [Prompt(p.id, "mt_bench" if p.category in MT_BENCH_CATEGORIES else p.category, p.text, p.chat)
-                   for p in prompts]
+        prompts = [replace(p, category="mt_bench") if p.category in MT_BENCH_CATEGORIES else p for p in prompts]
     return prompts
 
 

@@ -68,13 +68,17 @@ class JobQueue:
         self.maxsize = maxsize
         self._jobs: deque[Job | None] = deque()
         self._ready = threading.Condition()
+        self._closed: str | None = None  # why no job is taken any more (see close)
 
     def __len__(self) -> int:
         return sum(job is not None for job in self._jobs)
 
     def put(self, job: Job | None) -> None:
-        """Add a job (QueueFull when maxsize are waiting); None wakes the worker to stop."""
+        """Add a job (QueueFull when maxsize are waiting, ShuttingDown once closed); None wakes the worker to
+        stop."""
         with self._ready:
+            if job is not None and self._closed is not None:
+                raise ShuttingDown(self._closed)
             if job is not None and len(self) >= self.maxsize:
                 raise QueueFull(f"the server is busy: {self.maxsize} requests are already waiting")
             self._jobs.append(job)
@@ -97,8 +101,12 @@ class JobQueue:
                 return False
             return True
 
-    def drain(self) -> list[Job]:
+    def close(self, reason: str) -> list[Job]:
+        """Take no more jobs (a later put raises ShuttingDown(reason)); returns the waiting ones, removed. One
+        lock for both: a job is either returned here, to be answered, or refused, never left waiting for a
+        worker that has gone."""
         with self._ready:
+            self._closed = self._closed or reason
             jobs = [job for job in self._jobs if job is not None]
             self._jobs = deque(job for job in self._jobs if job is None)
             return jobs
@@ -154,9 +162,9 @@ class Worker:
             self._update_gauges()
 
     def refuse_waiting(self, message: str) -> None:
-        """Answer every waiting job with an error (shutdown): they would not run anyway."""
+        """Answer every waiting job with an error and refuse new ones (shutdown): they would not run anyway."""
         self._stopping = True
-        for job in self.jobs.drain():
+        for job in self.jobs.close(message):
             job.emit("unavailable", message)
         self._update_gauges()
 
