@@ -45,6 +45,7 @@ from verispec.pipeline import Pipeline
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
 from verispec.proposers.base import Proposer
 from verispec.proposers.tree import TreeDraftModel
+from verispec.linear import orient_linears
 from verispec.quant import QUANT_MODES, quantize_model
 from verispec.vocab import frequent_tokens, restrict_head
 
@@ -214,10 +215,15 @@ class Backend:
 
 
 def _load_hf(request: LoadRequest) -> tuple[Model, list[int]]:
-    hf_model = request.model if is_loaded(request.model) else load_model(request.model, request.device, request.dtype)
+    """A transformers model as a Model. One that verispec loads itself has its float32 CPU linear layers
+    oriented (verispec.linear); a model the caller loaded is left as it is."""
+    loaded = is_loaded(request.model)
+    hf_model = request.model if loaded else load_model(request.model, request.device, request.dtype)
     eos = eos_token_ids(hf_model, None)
     if request.head_ids is not None:
         restrict_head(hf_model, request.head_ids)
+    if not loaded:
+        orient_linears(hf_model)
     forward = request.forward
     if forward == "auto":
         forward = "lean" if lean_unsupported(hf_model) is None else "transformers"

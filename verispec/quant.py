@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from verispec.linear import linear
 
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 32  # input channels sharing one scale/offset (the kernel takes 32, 64, 128 or 256)
@@ -45,7 +46,7 @@ class _PackedLinear(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if self.dense is not None and flat.shape[0] > PACKED_MAX_ROWS:
-            y = F.linear(flat, self.dense, self.bias)
+            y = linear(flat, self.dense, self.bias)
         else:
             # the packed CPU kernels' float32 path is 10-30x slower than their bf16 one: compute in bf16
             packed_dtype = torch.bfloat16 if flat.device.type == "cpu" else flat.dtype

@@ -7,8 +7,8 @@ Only speed depends on these choices, never the output: every tree is verified ex
 
 Both terms are measured, and pooled so that no single noisy measurement decides:
 - `VerifyCost`: per fed token count, the median of its recent passes; unmeasured counts interpolate between
-  measured ones. Not a curve fit: on a CPU the cost per row count has regimes (fp32 MKL kernels here: a pass
-  over 17 rows costs about half one over 13), which the policy exploits by picking the counts that are cheap.
+  measured ones. Not a curve fit: on a CPU the cost per row count has regimes (matmul kernels that switch
+  paths with the row count), which the policy exploits by picking the counts that are cheap.
 - `AcceptedTable`: E(d, n) from the trees verified so far. The best-scored n nodes of depth <= d of a grown
   tree form a smaller tree (parents score at least as high as their children), the tree the drafter would have
   grown with that depth and budget, and the accepted path restricted to them is what it would have accepted
@@ -37,8 +37,8 @@ class VerifyCost:
     """Seconds of a target pass per fed token count: the median of the count's last `keep` passes, so that one
     slow outlier does not decide a count; between measured counts, a linear interpolation, and past the largest
     the largest's cost (optimistic: a count priced too low gets tried and measured). No monotone curve is
-    imposed: matmul kernels can make a pass over more rows cheaper than one over fewer (fp32 MKL on some CPUs:
-    17 rows cost half of 13)."""
+    imposed: matmul kernels can make a pass over more rows cheaper than one over fewer (MKL's fp32 x·Wᵀ, which
+    verispec.linear avoids, is one such)."""
 
     keep: int = 5
     passes: dict[int, deque] = field(default_factory=dict)

@@ -55,11 +55,12 @@ def lean_unsupported(model: nn.Module) -> str | None:
 
 
 def _fuse(*linears: nn.Linear) -> nn.Linear:
-    """One nn.Linear computing the given layers' outputs side by side (missing biases are zeros)."""
+    """One linear layer computing the given layers' outputs side by side (missing biases are zeros), of the
+    first one's class (an OrientedLinear stays one)."""
     first = linears[0]
     weight = torch.cat([l.weight.detach() for l in linears])
     has_bias = any(l.bias is not None for l in linears)
-    fused = nn.Linear(first.in_features, weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+    fused = type(first)(first.in_features, weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(weight)
         if has_bias:
