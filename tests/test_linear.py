@@ -9,13 +9,20 @@ from torch.nn import functional as F
 from verispec.backends import HFModel
 from verispec.backends.lean import LeanModel
 from verispec.build import DraftSpec, TargetSpec, build
-from verispec.linear import ORIENT_MAX_ROWS, OrientedLinear, linear, orient_linears, oriented
+import verispec.linear
+from verispec.linear import ORIENT_MAX_ROWS, ORIENT_MIN_WEIGHT, OrientedLinear, linear, orient_linears, oriented
 from verispec.quant import Int4Linear
+
+
+@pytest.fixture
+def any_weight(monkeypatch):
+    """Orient weights of every size (the tiny test models' are far under ORIENT_MIN_WEIGHT)."""
+    monkeypatch.setattr(verispec.linear, "ORIENT_MIN_WEIGHT", 0)
 
 
 @pytest.mark.parametrize("shape", [(2, 48), (5, 48), (3, 4, 48), (1, 7, 48), (ORIENT_MAX_ROWS, 48)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_is_f_linear(shape, bias):
+def test_linear_is_f_linear(shape, bias, any_weight):
     torch.manual_seed(0)
     layer = nn.Linear(48, 80, bias=bias)
     x = torch.randn(*shape)
@@ -25,16 +32,17 @@ def test_linear_is_f_linear(shape, bias):
 
 
 def test_which_products_are_oriented():
-    w = torch.zeros(8, 4)
+    w = torch.zeros(ORIENT_MIN_WEIGHT // 1024, 1024)
     assert [oriented(w, rows) for rows in (0, 1, 2, ORIENT_MAX_ROWS, ORIENT_MAX_ROWS + 1)] == [
         False, False, True, True, False]
     assert not oriented(w.bfloat16(), 5) and not oriented(w.half(), 5)
+    assert not oriented(w[:-1], 5)  # under ORIENT_MIN_WEIGHT elements
     x = torch.randn(1, 1, 4)  # one row (plain decoding): F.linear itself, bitwise
     w = torch.randn(8, 4)
     assert torch.equal(linear(x, w), F.linear(x, w))
 
 
-def test_orient_linears_keeps_parameters_and_their_sharing():
+def test_orient_linears_keeps_parameters_and_their_sharing(any_weight):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10, bias=False))
     model[2].weight = model[0].weight  # a tied head
@@ -60,7 +68,7 @@ def _linears(module: nn.Module) -> list[type]:
     return [type(m) for m in module.modules() if isinstance(m, nn.Linear)]
 
 
-def test_models_verispec_loads_are_oriented_in_fp32_only(pair_dirs):
+def test_models_verispec_loads_are_oriented_in_fp32_only(pair_dirs, any_weight):
     target, draft = pair_dirs
     pipe = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"),
                  DraftSpec("model", draft, quant="none", forward="lean"), 4)
@@ -76,10 +84,32 @@ def test_models_verispec_loads_are_oriented_in_fp32_only(pair_dirs):
     assert set(_linears(bf16.generator.target.model)) == {nn.Linear}
 
 
-def test_a_model_the_caller_loaded_is_left_as_it_is(pair_dirs):
+def test_a_model_the_caller_loaded_is_left_as_it_is(pair_dirs, any_weight):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target, _ = pair_dirs
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     pipe = build(TargetSpec(model, tokenizer=AutoTokenizer.from_pretrained(target), device="cpu"), None, 0)
     assert pipe.generator.target.model is model and set(_linears(model)) == {nn.Linear}
+
+
+def test_small_weights_keep_f_linear(pair_dirs):
+    target, _ = pair_dirs
+    pipe = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"), None, 0)
+    assert set(_linears(pipe.generator.target.model)) == {nn.Linear}  # the tiny model's weights are small
+
+
+@pytest.mark.parametrize("drafter, k", [("model", 4), ("tree", "auto")])
+def test_greedy_speculation_through_oriented_layers_is_plain_decoding(pair_dirs, any_weight, drafter, k):
+    target, draft = pair_dirs
+    spec = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"),
+                 DraftSpec(drafter, draft, quant="none", forward="lean"), k)
+    plain = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"), None, 0)
+    target_model = spec.generator.target
+    assert OrientedLinear in set(_linears(getattr(target_model, "net", None) or target_model.model))
+    accepted = 0
+    for prompt in ("ab", "hello there", "x" * 40):
+        out = spec.generate(prompt, max_new_tokens=24)
+        assert out.token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
+        accepted += out.stats.accepted
+    assert accepted > 0  # verify passes over several rows ran

@@ -5,7 +5,8 @@ tokens, a token tree, a batch of sequences) down a slow path, costing several ti
 product taken as `W xᵀ`, the weight the tall left operand, costs little more than one row, and is no slower
 from 2 up to ORIENT_MAX_ROWS rows (`bench/cpu_linear.py` measures both orders on the machine it runs on; the
 figures are in docs/performance.md). One row (plain decoding) and longer prefills keep `F.linear`, and so do
-bf16 and every other device. Both orders sum the same products and agree to float32 rounding, as passes over
+weights under ORIENT_MIN_WEIGHT elements (they stay in cache, where `x Wᵀ` is the faster order and the extra
+calls of the other cost more than they could save), bf16 and every other device. Both orders sum the same products and agree to float32 rounding, as passes over
 different numbers of rows already do in either order.
 
 `orient_linears` swaps the class of a model's float32 CPU `nn.Linear` layers to `OrientedLinear` in place:
@@ -19,11 +20,13 @@ from torch import nn
 from torch.nn import functional as F
 
 ORIENT_MAX_ROWS = 512  # past this x Wᵀ is as fast again (a long prefill)
+ORIENT_MIN_WEIGHT = 1 << 21  # elements (8 MiB in fp32): a 1536 x 1536 projection and larger
 
 
 def oriented(weight: torch.Tensor, rows: int) -> bool:
     """Whether a product of `rows` rows with `weight` runs as W xᵀ (see the module docstring)."""
-    return 2 <= rows <= ORIENT_MAX_ROWS and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    return (2 <= rows <= ORIENT_MAX_ROWS and weight.numel() >= ORIENT_MIN_WEIGHT
+            and weight.dtype == torch.float32 and weight.device.type == "cpu")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
