@@ -80,7 +80,7 @@ def test_models_verispec_loads_are_oriented_in_fp32_only(pair_dirs, any_weight):
                       DraftSpec("model", draft, quant="int4", forward="lean"), 4)
     assert set(_linears(quantized.generator.target.model)) == {OrientedLinear}
     assert any(isinstance(m, Int4Linear) for m in quantized.draft_model.net.modules())
-    bf16 = build(TargetSpec(target, backend="hf", device="cpu", dtype="bf16"), None, 0)
+    bf16 = build(TargetSpec(target, backend="hf", device="cpu", dtype="bf16"), None, 0)  # bf16: F.linear
     assert set(_linears(bf16.generator.target.model)) == {nn.Linear}
 
 
@@ -96,7 +96,10 @@ def test_a_model_the_caller_loaded_is_left_as_it_is(pair_dirs, any_weight):
 def test_small_weights_keep_f_linear(pair_dirs):
     target, _ = pair_dirs
     pipe = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"), None, 0)
-    assert set(_linears(pipe.generator.target.model)) == {nn.Linear}  # the tiny model's weights are small
+    layer = pipe.generator.target.model.lm_head  # the tiny model's weights are small
+    assert type(layer) is OrientedLinear and layer.weight.numel() < ORIENT_MIN_WEIGHT
+    x = torch.randn(5, layer.in_features)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # F.linear itself, bitwise
 
 
 @pytest.mark.parametrize("drafter, k", [("model", 4), ("tree", "auto")])
@@ -113,3 +116,14 @@ def test_greedy_speculation_through_oriented_layers_is_plain_decoding(pair_dirs,
         assert out.token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
         accepted += out.stats.accepted
     assert accepted > 0  # verify passes over several rows ran
+
+
+def test_a_fused_layer_is_judged_by_its_own_size(pair_dirs, monkeypatch):
+    """The lean path fuses q/k/v: small projections can make a fused weight over the bound."""
+    target, draft = pair_dirs
+    pipe = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"),
+                 DraftSpec("model", draft, quant="none", forward="lean"), 4)
+    layer = pipe.draft_model.net.layers[0]
+    monkeypatch.setattr(verispec.linear, "ORIENT_MIN_WEIGHT", layer.qkv.weight.numel())  # q alone is under it
+    assert type(layer.qkv) is OrientedLinear and oriented(layer.qkv.weight, 5)
+    assert not oriented(layer.o.weight, 5)

@@ -48,8 +48,10 @@ class OrientedLinear(nn.Linear):
 
 def orient_linears(model: nn.Module) -> nn.Module:
     """Every plain nn.Linear of `model` with float32 weights on a CPU becomes an OrientedLinear, in place;
-    returns `model`."""
+    returns `model`. The weight's size is judged per product (`oriented`), so that a layer fused from small
+    ones (the lean path's q/k/v) is judged by its own size."""
     for module in model.modules():
-        if type(module) is nn.Linear and oriented(module.weight, 2):
+        weight = module.weight if type(module) is nn.Linear else None
+        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
             module.__class__ = OrientedLinear
     return model
