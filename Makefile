@@ -40,13 +40,20 @@ models:
 	$(PYTHON) -m verispec.cli models pull
 	$(PYTHON) -m verispec.cli models pull smollm2-135m-instruct
 
-# The whole suite: unit tests on tiny in-process models, then integration tests on the real models. The chat
-# page's browser test needs chromium, chromedriver and selenium: installed first where apt can (root, or
-# sudo without a password); elsewhere that test skips and says why.
+# The unit tests run on tiny in-process models, one thread each (tests/conftest.py), so they run in parallel:
+# one pytest-xdist worker per core (at most 8), a test file per worker at a time (its module fixtures built
+# once). The integration tests give every core to one real model and run after them, one at a time.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
+UNIT_TESTS = HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration"
+
+# The whole suite: the unit tests, then the integration tests on the real models (both run; either failing
+# fails). The chat page's browser test needs chromium, chromedriver and selenium: installed first where apt
+# can (root, or sudo without a password); elsewhere that test skips and says why.
 test:
 	@$(MAKE) --no-print-directory browser-deps || echo "verispec: browser test dependencies not installed;" \
 	  "tests/test_browser.py will skip" >&2
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
+	$(UNIT_TESTS); unit=$$?; HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -m integration; integration=$$?; \
+	  [ $$unit -eq 0 ] && [ $$integration -eq 0 ]
 
 # chromium + chromedriver (apt) and selenium (pip), each only when missing.
 browser-deps:
@@ -60,6 +67,6 @@ browser-deps:
 	fi
 	@$(PYTHON) -c "import selenium" 2>/dev/null || $(PYTHON) -m pip install -q 'selenium>=4.10'
 
-# Unit tests only (seconds to a minute, no model files needed).
+# Unit tests only (no model files needed).
 test-fast:
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -m "not integration"
+	$(UNIT_TESTS)

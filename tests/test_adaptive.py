@@ -732,10 +732,22 @@ def test_engine_benches_a_draft_with_costs_the_estimates_miss(target):
     plain = make_engine(target).generate(prompt, max_new_tokens=50).token_ids
     eng = SpeculativeGenerator(SlowTarget(target), SlowRollback(HFModel(target), target.config.vocab_size),
                                num_draft_tokens="auto")
-    rounds = []
+    rounds = []  # (k planned, the gate benched after the round)
     real = eng._round
-    eng._round = lambda seq, plan, *a: rounds.append(plan.k) or real(seq, plan, *a)
+
+    def logged(seq, plan, *a):
+        out = real(seq, plan, *a)
+        rounds.append((plan.k, eng.k_policy.by_source["model"].gate.benched))
+        return out
+
+    eng._round = logged
     assert eng.generate(prompt, max_new_tokens=50).token_ids == plain
-    policy = eng.k_policy.by_source["model"]
-    assert policy.gate.benched and sum(k > 0 for k in rounds) == 1 + policy.gate.judge_after  # the filler, 4 judged
-    assert rounds[-1] == 0 and policy.choose(limit=10) == 0
+    gate = eng.k_policy.by_source["model"].gate
+    benched_at = next(i for i, (_, benched) in enumerate(rounds) if benched)
+    # benched by the rounds it measured: the filler and judge_after judged ones, however many tokens each drafted
+    assert sum(k > 0 for k, _ in rounds[: benched_at + 1]) == 1 + gate.judge_after
+    # and once benched, plain decoding until a probe (its interval is longer than the rest of this generation
+    # when drafting goes well, not when slow steps on a loaded machine make the drafts shorter)
+    after = rounds[benched_at + 1 :]
+    quiet = next((i for i, (k, _) in enumerate(after) if k > 0), len(after))
+    assert quiet >= min(len(after), gate.probe_every) and all(benched for _, benched in after[:quiet])
