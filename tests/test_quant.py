@@ -32,6 +32,23 @@ def test_int4_linear_matches_its_dequantized_weights(dtype):
     assert 1e-4 < err < 0.2
 
 
+def test_int4_scales_are_kept_in_the_kernels_dtype():
+    """A float32 layer keeps its scales and zeros in bf16, the dtype the packed CPU kernel computes in, so that
+    no call converts them (for a 151936 x 896 LM head that is 8.5M values a step); its outputs are the ones of
+    scales rounded to float32 first and converted per call."""
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 160, bias=False)
+    layer = Int4Linear(linear)
+    assert layer.scales_zeros.dtype == torch.bfloat16
+    x = torch.randn(3, 256)
+    w = linear.weight.detach().reshape(160, -1, INT4_GROUP)
+    low = w.amin(-1)
+    scale = ((w.amax(-1) - low) / 15).clamp_min(1e-8)
+    per_call = torch.stack([scale.T, (low + 8 * scale).T], dim=-1).contiguous().to(torch.bfloat16)
+    ref = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), layer.weight, INT4_GROUP, per_call)
+    assert torch.equal(layer(x), ref.float())
+
+
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
 def test_large_batches_use_the_float_weights(cls):
     """Prefill-sized batches run on the kept bf16 weights (the packed kernels are matrix-vector kernels)."""

@@ -27,6 +27,12 @@ INT4_GROUP = 32  # input channels sharing one scale/offset (the kernel takes 32,
 PACKED_MAX_ROWS = 16  # larger batches use the bf16 weights (see above)
 
 
+def packed_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the packed kernels compute in for activations of `dtype` on `device`: bf16 on a CPU (their
+    float32 path is 10-30x slower than their bf16 one), else the activations' own."""
+    return torch.bfloat16 if device.type == "cpu" else dtype
+
+
 class _PackedLinear(nn.Module):
     """Shared by the int8 and int4 layers: small batches go to `_packed`, large ones (CPU) to the kept float
     weights, then bias and shape. The float weights are the original tensor, not a copy (a tied LM head keeps
@@ -48,9 +54,7 @@ class _PackedLinear(nn.Module):
         if self.dense is not None and flat.shape[0] > PACKED_MAX_ROWS:
             y = linear(flat, self.dense, self.bias)
         else:
-            # the packed CPU kernels' float32 path is 10-30x slower than their bf16 one: compute in bf16
-            packed_dtype = torch.bfloat16 if flat.device.type == "cpu" else flat.dtype
-            y = self._packed(flat.to(packed_dtype)).to(flat.dtype)
+            y = self._packed(flat.to(packed_dtype(flat.device, flat.dtype))).to(flat.dtype)
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
@@ -90,7 +94,10 @@ class Int4Linear(_PackedLinear):
         if self.cpu:  # the kernel computes (q - 8) * scale + zero
             self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             zero = low + 8 * scale
-            self.register_buffer("scales_zeros", torch.stack([scale.T, zero.T], dim=-1).to(dtype).contiguous())
+            # rounded to the weights' dtype, then kept in the kernel's: a float32 model would otherwise
+            # convert its [out, in / G] scales and zeros on every call
+            self.register_buffer("scales_zeros", torch.stack([scale.T, zero.T], dim=-1).to(dtype)
+                                 .to(packed_dtype(w.device, dtype)).contiguous())
         else:  # [out, in] as uint8 codes, dequantised per call
             self.register_buffer("weight", q.to(torch.uint8))
             self.register_buffer("scales_zeros", torch.stack([scale, low], dim=-1).to(dtype))
@@ -98,7 +105,7 @@ class Int4Linear(_PackedLinear):
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
         if self.cpu:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP,
-                                                               self.scales_zeros.to(flat.dtype))
+                                                               self.scales_zeros.to(flat.dtype))  # already flat's
         scale, low = self.scales_zeros.to(flat.dtype).unbind(-1)  # [out, in / G] each
         codes = self.weight.to(flat.dtype).view(self.out_features, -1, INT4_GROUP)
         return flat @ (codes * scale[..., None] + low[..., None]).view(self.out_features, self.in_features).T
