@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from verispec.build import LoadRequest, _load_hf
+from verispec.build import BACKENDS, LoadRequest
 from verispec.loading import DTYPES
 from verispec.models import DEFAULT_DRAFT
 
@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     for quant in args.quants.split(","):
         request = LoadRequest(DEFAULT_DRAFT, torch.device("cpu"), DTYPES[args.dtype], quant=quant, forward="lean")
-        model = _load_hf(request)[0]
+        model = BACKENDS["hf"].load(request)[0]
         with torch.inference_mode():
             model.forward(torch.arange(100, 100 + args.context), last_only=True)
             times = []

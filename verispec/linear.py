@@ -6,8 +6,8 @@ product taken as `W xᵀ`, the weight the tall left operand, costs little more t
 from 2 up to ORIENT_MAX_ROWS rows (`bench/cpu_linear.py` measures both orders on the machine it runs on; the
 figures are in docs/performance.md). One row (plain decoding) and longer prefills keep `F.linear`, and so do
 weights under ORIENT_MIN_WEIGHT elements (they stay in cache, where `x Wᵀ` is the faster order and the extra
-calls of the other cost more than they could save), bf16 and every other device. Both orders sum the same products and agree to float32 rounding, as passes over
-different numbers of rows already do in either order.
+calls of the other cost more than they could save), bf16 and every other device. Both orders sum the same
+products and agree to float32 rounding, as passes over different numbers of rows already do in either order.
 
 `orient_linears` swaps the class of a model's float32 CPU `nn.Linear` layers to `OrientedLinear` in place:
 the parameters, their sharing (a tied head) and the state dict stay as they are.
