@@ -14,6 +14,7 @@ from tiny import make_engine, perturbed, text_pair, tiny_qwen2
 import verispec
 from verispec import batch as batch_module
 from verispec import engine as engine_module
+from verispec.backends import lean as lean_module
 from verispec.backends.lean import LeanBatch, LeanModel, LeanNet
 from verispec.batch import BatchGenerator
 from verispec.proposers import NgramProposer
@@ -50,12 +51,15 @@ def requests(n, seed):
                  num_draft_tokens=rng.choice([0, 1, 2, 3, 4, 6])) for _ in range(n)]
 
 
-def test_lean_batch_rows_match_one_sequence(monkeypatch):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_lean_batch_rows_match_one_sequence(monkeypatch, layout):
     """Ragged rows in one forward (prefills of different lengths, then 1-4 new tokens each, slots out of
-    order, a slot moved): each row's logits equal its sequence run alone (fp32). Uninitialised memory is NaN
-    here: a row's masked positions must never bring it in (attention weighs them 0, and 0 * NaN = NaN)."""
+    order, a slot moved), padded to one length or packed side by side: each row's logits equal its sequence
+    run alone (fp32). Uninitialised memory is NaN here: a row's masked positions must never bring it in
+    (attention weighs them 0, and 0 * NaN = NaN)."""
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan))
+    monkeypatch.setattr(lean_module, "PACKED_WHEN_PADDING", 0 if layout == "padded" else 10**6)
     model = tiny_qwen2(3)
     solo, batch = LeanModel(model), LeanBatch(LeanNet(model), 4)
     gen = torch.Generator().manual_seed(0)
@@ -75,6 +79,21 @@ def test_lean_batch_rows_match_one_sequence(monkeypatch):
     solo.forward(torch.cat([prompts[3], feeds[3]]))
     torch.testing.assert_close(last[0], solo.forward(feeds[0][:1]), atol=1e-5, rtol=1e-4)
     assert last[1].shape == (1, 64) and batch.lengths[:2] == [17, 7 + 3 + 2]
+    part = batch.forward_rows([0, 1, 2], [feeds[3], feeds[1][:1], feeds[2]], keep=[2, 1, 0])  # the last 2, 1, none
+    assert [p.shape[0] for p in part] == [2, 1, 0]
+    solo.reset()
+    solo.forward(torch.cat([prompts[3], feeds[3], feeds[0][:1]]))
+    torch.testing.assert_close(part[0], solo.forward(feeds[3])[-2:], atol=1e-5, rtol=1e-4)
+
+
+def test_lean_batch_packs_ragged_rows():
+    """A row of a prompt beside rows of one token: packed (the linears see 12 token rows, not 3 x 10)."""
+    model = tiny_qwen2(3)
+    batch = LeanBatch(LeanNet(model), 3)
+    seen = []
+    batch.net.layers[0].qkv.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape[:2])))
+    batch.forward_rows([0, 1, 2], [torch.arange(1), torch.arange(10), torch.arange(1)])
+    assert seen == [(1, 12)]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 6])
@@ -103,6 +122,57 @@ def test_requests_joining_a_running_batch(pair, drafter):
     batch = make_batch(target, draft, 3, drafter=drafter)
     for req, result in zip(reqs, batch.run(reqs)):
         assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"])
+
+
+def _record_target_passes(batch: BatchGenerator) -> list[tuple[list[int], list[int]]]:
+    """(rows' feed sizes, rows' kept logits) of every target pass the batch makes from now on."""
+    passes, real = [], batch.target.forward_rows
+
+    def recording(slots, feeds, last_only=False, keep=None):
+        passes.append(([f.numel() for f in feeds], keep))
+        return real(slots, feeds, last_only, keep)
+
+    batch.target.forward_rows = recording
+    return passes
+
+
+def test_a_joining_prompt_is_prefilled_in_the_rounds_shared_pass(pair):
+    """Requests that join cost no target pass of their own: the next round's one pass feeds each its prompt
+    and drafts, beside a running row's last token and drafts; all stay exact."""
+    target, draft = pair
+    batch = make_batch(target, draft, 3, k=2, eos=())
+    passes = _record_target_passes(batch)
+    running = batch.add([4, 5, 6], max_new_tokens=12)
+    batch.step()
+    assert passes == [([3 + 2], [3])]
+    joiners = [batch.add(list(range(1, 9)), max_new_tokens=12), batch.add([9, 8, 7, 6, 5], max_new_tokens=12)]
+    assert len(passes) == 1  # add() feeds nothing
+    batch.step()
+    assert passes[1] == ([1 + 2, 8 + 2, 5 + 2], [3, 3, 3])
+    while batch.active:
+        batch.step()
+    for request in (running, *joiners):
+        assert request.result.token_ids == plain_greedy(target, request.prompt_ids, 12, eos=())
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_long_prompts_are_prefilled_in_parts_while_others_decode(pair, chunk):
+    """A round feeds at most `prefill_chunk` prompt tokens over all rows: a long prompt takes several rounds
+    (its parts fed with no logits kept), the running rows commit in each of them, and every row is exact."""
+    target, draft = pair
+    reqs = requests(7, seed=3)
+    reqs[1]["prompt_ids"] = [(3 * i) % 64 for i in range(23)]
+    batch = make_batch(target, draft, 3)
+    batch.prefill_chunk = chunk
+    passes = _record_target_passes(batch)
+    for req, result in zip(reqs, batch.run(reqs)):
+        assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"]), req
+    parts = [(sizes, keep) for sizes, keep in passes if 0 in keep]
+    assert len(parts) >= 23 // chunk - 1
+    for sizes, keep in passes:  # prompt tokens fed: a part (no logits), or a prompt's rest ahead of its drafts
+        unseen = [size if k == 0 else size - k + 1 for size, k in zip(sizes, keep)]
+        assert sum(n for n in unseen if n > 1) <= max(chunk, 1), (sizes, keep)
+    assert any(len(sizes) > 1 for sizes, _ in parts)  # others decoded beside a prompt's parts
 
 
 def test_cancel_mid_batch_leaves_the_others_exact(pair):

@@ -9,10 +9,14 @@ round (verispec.engine) done for every active row at once:
   its own (its own sampling settings and generator, the same `verify`/`commit` as a lone sequence) -> each
   slot rolled back to its committed tokens (O(1)).
 
-Requests join between rounds (`add`; their prompt is prefilled alone, before the next round) and leave when
-they finish or are cancelled; active requests are kept in the lowest slots (a leaving row's slot is filled
-by moving the last row's cache into it), so the target reads the batch's caches as one view. Exactness is
-per row: a row's tokens depend on its own prompt, settings and generator only, never on its batch mates.
+Every row feeds the target what its cache has not seen yet: the last committed token, or, for a request that
+just joined, its whole prompt. So a joining request's prefill rides in the next round's shared pass (the
+rows are packed side by side there, not padded: see verispec.backends.lean) instead of stalling every
+running row for a forward of its own; a prompt longer than `prefill_chunk` is fed over several rounds, while
+the other rows keep committing. Requests join between rounds (`add`) and leave when they finish or are
+cancelled; active requests are kept in the lowest slots (a leaving row's slot is filled by moving the last
+row's cache into it), so the target reads the batch's caches as one view. Exactness is per row: a row's
+tokens depend on its own prompt, settings and generator only, never on its batch mates.
 
 The k of "auto" in a batch is a fixed `BATCH_AUTO_K`: the cost-aware policy prices a lone sequence's target
 pass, and in a batch that pass is shared.
@@ -44,6 +48,7 @@ from verispec.sequence import TokenSequence
 from verispec.timing import sync
 
 BATCH_AUTO_K = 4
+PREFILL_CHUNK = 512  # prompt tokens a round feeds at most, over all the rows still being prefilled
 
 
 @dataclass(eq=False)
@@ -62,7 +67,6 @@ class BatchRequest:
     slot: int = -1
     seq: TokenSequence | None = None
     generator: torch.Generator | None = None
-    head: torch.Tensor | None = None  # the prefill's logits for the first new position, until the first round
     logprobs: list[TokenLogprob] | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -79,8 +83,12 @@ class BatchGenerator:
         prepare: Callable,
         num_draft_tokens: int | str = 4,
         max_length: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target = target
+        self.prefill_chunk = prefill_chunk
         self.drafter = drafter
         self.prepare = prepare
         self.num_draft_tokens = num_draft_tokens
@@ -104,8 +112,8 @@ class BatchGenerator:
         ignore_eos: bool = False,
         logprobs: int | None = None,
     ) -> BatchRequest:
-        """Admit a request into a free slot and prefill its prompt (ValueError: a bad request; RuntimeError:
-        no free slot). It joins the next round."""
+        """Admit a request into a free slot (ValueError: a bad request; RuntimeError: no free slot). It joins
+        the next round, whose target pass prefills its prompt."""
         if not self.free_slots:
             raise RuntimeError(f"the batch is full ({self.max_batch} sequences)")
         prompt_ids, params, k, stop_ids, result = self.prepare(
@@ -123,11 +131,8 @@ class BatchGenerator:
         request.generator = make_generator(params.seed, self.device)
         request.logprobs = None if logprobs is None else []
         self.target.reset(request.slot)
-        request.head = self.target.forward_rows([request.slot], [request.seq.device_ids], last_only=True)[0]
-        sync(self.device)
         if self.drafter is not None:
             self.drafter.start(request.slot, request.seq, params, request.generator)
-        result.stats.prefill_seconds = time.perf_counter() - request.started
         self.active.append(request)
         return request
 
@@ -162,18 +167,23 @@ class BatchGenerator:
 
     def step(self) -> list[tuple[BatchRequest, Committed]]:
         """One round over every active request; returns each request's newly committed tokens (a request
-        that committed nothing, its round cut by a stop, is absent). Finished requests leave the batch."""
-        rows = list(self.active)
-        if not rows:
+        that committed nothing, its round cut by a stop or its prompt still being fed, is absent). Finished
+        requests leave the batch."""
+        if not self.active:
             return []
         start = time.perf_counter()
-        plans = [row.policy.choose(self._view(row)) for row in rows]
-        drafts = (self.drafter.propose([(row.slot, row.seq, plan.k) for row, plan in zip(rows, plans)])
-                  if self.drafter is not None else [no_draft(row.seq) for row in rows])
+        ready, partial = self._prefill_plan()
+        plans = [row.policy.choose(self._view(row)) for row in ready]
+        drafts = (self.drafter.propose([(row.slot, row.seq, plan.k) for row, plan in zip(ready, plans)])
+                  if self.drafter is not None and ready else [no_draft(row.seq) for row in ready])
         t_draft = time.perf_counter()
-        logits = self._score(rows, drafts)
+        logits = self._score(ready, drafts, partial)
+        sync(self.device)
+        for row in ready:
+            if not row.result.stats.prefill_seconds:
+                row.result.stats.prefill_seconds = time.perf_counter() - row.started
         out = []
-        for row, plan, draft, row_logits in zip(rows, plans, drafts, logits):
+        for row, plan, draft, row_logits in zip(ready, plans, drafts, logits):
             n, nxt = verify(row.seq, draft, row_logits, row.params, row.generator)
             committed, accepted = commit(row.seq, draft, n, nxt, row_logits, row.params, row.logprobs,
                                          row.top_logprobs or 0)
@@ -182,32 +192,49 @@ class BatchGenerator:
             if self.drafter is not None and plan.k > 0:
                 self.drafter.observe(row.slot, row.seq, drafted, accepted)
             end = time.perf_counter()
-            report = RoundReport(plan.k, draft.source if drafted else "", drafted, accepted, row.head is not None,
-                                 False, draft.steps, t_draft - start, end - t_draft, 0.0, 0, end - start)
-            row.head = None
+            report = RoundReport(plan.k, draft.source if drafted else "", drafted, accepted, False, False,
+                                 draft.steps, t_draft - start, end - t_draft, 0.0, 0, end - start)
             chunk = self._finish_round(row, committed, report)
             if chunk:
                 out.append((row, chunk))
-        for row in rows:
+        for row in ready:
             if row.done:
                 self._leave(row)
         return out
+
+    def _prefill_plan(self) -> tuple[list[BatchRequest], dict[BatchRequest, int]]:
+        """Which rows verify this round and which only feed part of their prompt (how many tokens): a row
+        whose unseen prompt fits in what is left of `prefill_chunk` (the oldest requests first) verifies
+        along with its prefill; the first that does not fit feeds what is left, and the rest wait."""
+        budget, partial, waiting = self.prefill_chunk, {}, set()
+        for row in sorted(self.active, key=lambda r: r.started):
+            unseen = len(row.seq) - self.target.lengths[row.slot]
+            if unseen <= 1:  # decoding: only its last committed token is new
+                continue
+            if unseen > budget:
+                if budget:
+                    partial[row] = budget
+                else:
+                    waiting.add(row)
+            budget -= min(budget, unseen)
+        return [row for row in self.active if row not in partial and row not in waiting], partial
 
     def _view(self, row: BatchRequest) -> RoundView:
         source = "none" if self.drafter is None else self.drafter.source(row.slot, row.seq)
         return RoundView(row.seq, row.max_new_tokens - len(row.seq.generated) - 1, source, 0, lambda: None)
 
-    def _score(self, rows: list[BatchRequest], drafts: list[Draft]) -> list[torch.Tensor]:
-        """Every row's target logits [k_b+1, V] from ONE forward over the rows' [last, d_1 .. d_k] (a row
-        in its first round feeds only its drafts, its prefill gave the first row; with none it feeds nothing)."""
-        feeds = [d.tokens if row.head is not None else torch.cat([row.seq.device_ids[-1:], d.tokens])
-                 for row, d in zip(rows, drafts)]
-        fed = [i for i, f in enumerate(feeds) if f.numel()]
-        scored = self.target.forward_rows([rows[i].slot for i in fed], [feeds[i] for i in fed]) if fed else []
-        logits = [row.head for row in rows]
-        for i, out in zip(fed, scored):
-            logits[i] = out if rows[i].head is None else torch.cat([rows[i].head, out])
-        return logits
+    def _score(self, ready: list[BatchRequest], drafts: list[Draft],
+               partial: dict[BatchRequest, int]) -> list[torch.Tensor]:
+        """Every ready row's target logits [k_b + 1, V] from ONE forward over each row's unseen committed
+        tokens (its last one, or its prompt) and drafts; the same pass feeds the partial rows' prompt parts."""
+        rows = ready + list(partial)
+        seen = [self.target.lengths[row.slot] for row in rows]
+        feeds = [torch.cat([row.seq.device_ids[at:], d.tokens]) for row, at, d in zip(ready, seen, drafts)]
+        feeds += [row.seq.device_ids[at : at + n] for (row, n), at in zip(partial.items(), seen[len(ready):])]
+        keep = [d.tokens.numel() + 1 for d in drafts] + [0] * len(partial)
+        if not rows:
+            return []
+        return self.target.forward_rows([row.slot for row in rows], feeds, keep=keep)[: len(ready)]
 
     def _finish_round(self, row: BatchRequest, committed: list[int], report: RoundReport) -> Committed | None:
         """Stats, stops and the end of a row's generation after its round; the tokens to hand out."""

@@ -12,19 +12,24 @@ module runs the same network from the same weights with far fewer calls per laye
   a single-token step needs no mask.
 
 Many sequences (`LeanBatch`, for batched speculation): one padded cache per layer, [slots, Hkv, capacity, hd],
-and one length per slot. A forward feeds each row its own tokens (ragged: padded to the longest row) at
-explicit positions length_s + j; row b's query j sees cache positions t <= length_b + j and nothing else, so
-what lies past a slot's length (padding, rejected drafts) is never read and a ragged rollback is one integer
-per slot, O(1), with no copy. A padded cache wastes at most the longest row's padding per round (a few
-tokens); a paged cache would save that memory at the price of a gather per layer, which on a CPU costs more
-than the attention itself at these lengths. Slots need not be contiguous: active slots are gathered (a copy)
-unless they form one range, which the batch engine keeps them in.
+and one length per slot. A forward feeds each row its own tokens at explicit positions length_b + j; row b's
+query j sees cache positions t <= length_b + j and nothing else, so what lies past a slot's length (padding,
+rejected drafts) is never read and a ragged rollback is one integer per slot, O(1), with no copy. Rows of
+about one length are padded to the longest and attend in one call; ragged rows (a prompt being prefilled
+beside rows of a few drafts) are packed side by side into one sequence instead, so the linear layers, most
+of the cost, see no padding, and each row attends to its own slot in a call of its own. A padded cache
+wastes at most the longest row's padding per round (a few tokens); a paged cache would save that memory at
+the price of a gather per layer, which on a CPU costs more than the attention itself at these lengths.
+Slots need not be contiguous: active slots are gathered (a copy) unless they form one range, which the
+batch engine keeps them in.
 
 Numerics only have to be close to transformers' for a draft; a target run here is the same network, and
 tests/test_lean.py checks both against the transformers forward in fp32.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
@@ -33,6 +38,7 @@ from torch.nn import functional as F
 LEAN_TYPES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 FIRST_CAPACITY = 1024  # cache positions allocated first; doubled when full
+PACKED_WHEN_PADDING = 4  # rows are packed, not padded, when padding would add over a quarter of the tokens fed
 
 
 def lean_unsupported(model: nn.Module) -> str | None:
@@ -84,19 +90,16 @@ class LeanLayer(nn.Module):
         self.inter = mlp.gate_proj.out_features
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, write: "_Write", mask: torch.Tensor | None) -> torch.Tensor:
+                values: torch.Tensor, attend: "_Padded | _Packed") -> torch.Tensor:
         """h: [B, n, D]; cos/sin: [B, n, 1, hd] (sin sign-folded); keys/values: [slots, Hkv, capacity, hd]."""
         B, n, d = h.shape[0], h.shape[1], self.head_dim
         x = F.rms_norm(h, h.shape[-1:], self.norm1, self.eps)
         qkv = self.qkv(x)  # [B, n, (H + 2 Hkv) hd]
         qk = qkv[..., : (self.heads + self.kv_heads) * d].view(B, n, -1, d)
         qk = qk * cos + qk.roll(d // 2, -1) * sin  # RoPE on q and k at once
-        q = qk[:, :, : self.heads].transpose(1, 2)  # [B, H, n, hd]
         v = qkv[..., (self.heads + self.kv_heads) * d :].view(B, n, -1, d)
-        k, v = write(keys, qk[:, :, self.heads :], values, v)  # [B, Hkv, T, hd] each
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                           enable_gqa=self.heads != self.kv_heads)
-        h = h + self.o(o.transpose(1, 2).reshape(B, n, -1))
+        o = attend(qk[:, :, : self.heads], qk[:, :, self.heads :], v, keys, values, self.scale)  # [B, n, H hd]
+        h = h + self.o(o)
         gate, up = self.gate_up(F.rms_norm(h, h.shape[-1:], self.norm2, self.eps)).split(self.inter, dim=-1)
         return h + self.down(F.silu(gate) * up)
 
@@ -123,31 +126,65 @@ class LeanNet(nn.Module):
         self.max_length = int(getattr(config, "max_position_embeddings", None) or 1 << 31)
 
 
-class _Write:
-    """Where a forward's new keys and values go, and which cache rows its attention reads.
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q: [B, n, H, hd]; k, v: [B, Hkv, T, hd] -> [B, n, H hd]."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[2] != k.shape[1])
+    return o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+
+
+class _Padded:
+    """Attention for rows padded to one length n: where their new keys and values go, and one attention over
+    the cache rows each query may see.
 
     One row (every single-sequence forward): a slice write and a view. Several rows: one indexed write per
     layer at [slot_b, :, positions[b, j]], and a view of the slots when they are one range (else a gather)."""
 
-    def __init__(self, slots: list[int], start: int, positions: torch.Tensor | None, end: int) -> None:
-        self.slots, self.start, self.positions, self.end = slots, start, positions, end
+    def __init__(self, slots: list[int], start: int, positions: torch.Tensor | None, end: int,
+                 mask: torch.Tensor | None) -> None:
+        self.slots, self.start, self.positions, self.end, self.mask = slots, start, positions, end, mask
         self.first, self.last = slots[0], slots[-1] + 1
         self.contiguous = slots == list(range(self.first, self.last))
         self.index = None if positions is None else torch.tensor(slots, device=positions.device)
 
-    def __call__(self, keys, k_new, values, v_new):  # k_new, v_new: [B, n, Hkv, hd]
+    def __call__(self, q, k_new, v_new, keys, values, scale):  # q: [B, n, H, hd]; k_new, v_new: [B, n, Hkv, hd]
         end = self.end
         if self.positions is None:
             s = self.first
             keys[s : s + 1, :, self.start : end] = k_new.transpose(1, 2)
             values[s : s + 1, :, self.start : end] = v_new.transpose(1, 2)
-            return keys[s : s + 1, :, :end], values[s : s + 1, :, :end]
+            return _sdpa(q, keys[s : s + 1, :, :end], values[s : s + 1, :, :end], self.mask, scale)
         rows = self.index[:, None]
         keys[rows, :, self.positions] = k_new
         values[rows, :, self.positions] = v_new
         if self.contiguous:
-            return keys[self.first : self.last, :, :end], values[self.first : self.last, :, :end]
-        return keys[self.index, :, :end], values[self.index, :, :end]
+            k, v = keys[self.first : self.last, :, :end], values[self.first : self.last, :, :end]
+        else:
+            k, v = keys[self.index, :, :end], values[self.index, :, :end]
+        return _sdpa(q, k, v, self.mask, scale)
+
+
+class _Packed:
+    """Attention for ragged rows packed side by side into one sequence of T tokens ([1, T, ...]), so that
+    the linear layers see no padding: row b's tokens are packed[offset_b : offset_b + size_b]; each row
+    writes its slot's cache with a slice and attends to that slot alone, exactly as it would alone."""
+
+    def __init__(self, slots: list[int], lengths: list[int], sizes: list[int], device: torch.device) -> None:
+        self.rows, at = [], 0
+        for slot, start, size in zip(slots, lengths, sizes):
+            mask = torch.ones(size, start + size, dtype=torch.bool, device=device).tril(start) if size > 1 else None
+            self.rows.append((slot, start, at, size, mask))
+            at += size
+
+    def __call__(self, q, k_new, v_new, keys, values, scale):  # q: [1, T, H, hd]; k_new, v_new: [1, T, Hkv, hd]
+        out = []
+        for slot, start, at, size, mask in self.rows:
+            end = start + size
+            keys[slot, :, start:end] = k_new[0, at : at + size].transpose(0, 1)
+            values[slot, :, start:end] = v_new[0, at : at + size].transpose(0, 1)
+            out.append(_sdpa(q[:, at : at + size], keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end],
+                             mask, scale))
+        return torch.cat(out, dim=1)
 
 
 class LeanBatch:
@@ -190,44 +227,54 @@ class LeanBatch:
         self._capacity = capacity
 
     @torch.inference_mode()
-    def forward_rows(self, slots: list[int], feeds: list[torch.Tensor], last_only: bool = False) -> list[torch.Tensor]:
+    def forward_rows(self, slots: list[int], feeds: list[torch.Tensor], last_only: bool = False,
+                     keep: list[int] | None = None) -> list[torch.Tensor]:
         """Append feeds[b] (1-D long, >= 1 token) to slot slots[b]'s cache, all rows in one forward; returns
-        each row's logits [n_b, V] (or [1, V] with last_only)."""
+        the logits of each row's last keep[b] tokens, [keep_b, V] (default: all of its tokens; last_only: the
+        last one). A row that keeps 0 (a prompt fed in parts) gets [0, V] and costs no LM head."""
         lengths = [self.lengths[s] for s in slots]
         sizes = [f.numel() for f in feeds]
-        if min(sizes) < 1:
-            raise ValueError("every row of a batched forward needs at least one token")
-        n = max(sizes)
-        end = max(length + n for length in lengths)
+        keep = [1] * len(sizes) if last_only else list(sizes) if keep is None else keep
+        if min(sizes) < 1 or any(not 0 <= k <= size for k, size in zip(keep, sizes)):
+            raise ValueError(f"every row of a batched forward needs at least one token and keeps at most those; "
+                             f"got {sizes} fed, {keep} kept")
         too_long = max(length + size for length, size in zip(lengths, sizes))
         if too_long > self.max_length:
             raise ValueError(f"sequence of {too_long} tokens exceeds the model's context of {self.max_length}")
+        B, n, fed = len(slots), max(sizes), sum(sizes)
+        packed = B > 1 and (B * n - fed) * PACKED_WHEN_PADDING > fed
+        end = too_long if packed else max(length + n for length in lengths)
         if end > self._capacity:
             self._grow(end)
-        if len(slots) == 1:  # one sequence: contiguous positions, slices
+        if packed:  # one sequence of the rows side by side: token t of row b sits at length_b + t
+            place = torch.tensor([p for length, size in zip(lengths, sizes) for p in range(length, length + size)],
+                                 device=self.device)
+            tokens, cos, sin = torch.cat(feeds)[None], self.cos[place][None], self.sin[place][None]
+            attend = _Packed(slots, lengths, sizes, self.device)
+            starts = [0] + list(itertools.accumulate(sizes))[:-1]
+        elif B == 1:  # one sequence: contiguous positions, slices
             start = lengths[0]
-            tokens, positions = feeds[0][None], None
-            cos, sin = self.cos[start:end][None], self.sin[start:end][None]  # [1, n, 1, hd]
+            tokens, cos, sin = feeds[0][None], self.cos[start:end][None], self.sin[start:end][None]  # [1, n, 1, hd]
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start) if n > 1 else None
+            attend, starts = _Padded(slots, start, None, end, mask), [0]
         else:  # row b's query j sits at position length_b + j and sees cache positions t <= it
-            start = 0
-            starts = torch.tensor(lengths, device=self.device)
-            positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, n]; padding past a row's end
+            positions = torch.tensor(lengths, device=self.device)[:, None] + torch.arange(n, device=self.device)
             tokens = torch.stack([f if f.numel() == n else torch.cat([f, f[-1:].expand(n - f.numel())])
-                                  for f in feeds])
+                                  for f in feeds])  # [B, n]; padding past a row's end
             cos, sin = self.cos[positions], self.sin[positions]  # [B, n, 1, hd]
             mask = (torch.arange(end, device=self.device) <= positions[..., None]).unsqueeze(1)  # [B, 1, n, end]
-        write = _Write(slots, start, positions, end)
-        h = self.net.embed(tokens)  # [B, n, D]
+            attend, starts = _Padded(slots, 0, positions, end, mask), [b * n for b in range(B)]
+        h = self.net.embed(tokens)  # [B, n, D] or [1, T, D]
         for layer, keys, values in zip(self.net.layers, self.keys, self.values):
-            h = layer(h, cos, sin, keys, values, write, mask)
-        if last_only:
-            h = h[torch.arange(len(slots), device=self.device), torch.tensor(sizes, device=self.device) - 1][:, None]
-        h = F.rms_norm(h, h.shape[-1:], self.net.norm, self.net.eps)
-        logits = self.net.head(h)  # [B, n or 1, V]
+            h = layer(h, cos, sin, keys, values, attend)
+        flat = h.view(-1, h.shape[-1])
+        if keep != sizes or flat.shape[0] != fed:  # only the kept tokens meet the LM head
+            kept = [start + size - k + j for start, size, k in zip(starts, sizes, keep) for j in range(k)]
+            flat = flat[torch.tensor(kept, dtype=torch.long, device=self.device)]
+        logits = self.net.head(F.rms_norm(flat, flat.shape[-1:], self.net.norm, self.net.eps))  # [sum(keep), V]
         for s, size in zip(slots, sizes):
             self.lengths[s] += size
-        return [logits[b] if last_only else logits[b, :size] for b, size in enumerate(sizes)]
+        return list(logits.split(keep))
 
     @torch.inference_mode()
     def forward_tree(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, base: int,
@@ -250,10 +297,10 @@ class LeanBatch:
         mask = torch.ones(n, end, dtype=torch.bool, device=self.device)
         mask[:, base:] = visible
         cos, sin = self.cos[positions][None], self.sin[positions][None]  # [1, n, 1, hd]
-        write = _Write([slot], start, None, end)
+        attend = _Padded([slot], start, None, end, mask[None, None])
         h = self.net.embed(tokens[None])
         for layer, keys, values in zip(self.net.layers, self.keys, self.values):
-            h = layer(h, cos, sin, keys, values, write, mask[None, None])
+            h = layer(h, cos, sin, keys, values, attend)
         logits = self.net.head(F.rms_norm(h, h.shape[-1:], self.net.norm, self.net.eps))[0]
         self.lengths[slot] = end
         return logits
