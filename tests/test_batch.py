@@ -84,6 +84,11 @@ def test_lean_batch_rows_match_one_sequence(monkeypatch, layout):
     solo.reset()
     solo.forward(torch.cat([prompts[3], feeds[3], feeds[0][:1]]))
     torch.testing.assert_close(part[0], solo.forward(feeds[3])[-2:], atol=1e-5, rtol=1e-4)
+    solo.reset()
+    solo.forward(torch.cat([prompts[1][:7], feeds[1], feeds[1][:2]]))
+    torch.testing.assert_close(part[1], solo.forward(feeds[1][:1]), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="keeps at most"):
+        batch.forward_rows([0, 1], [feeds[0], feeds[1]], keep=[1])
 
 
 def test_lean_batch_packs_ragged_rows():
@@ -165,14 +170,42 @@ def test_long_prompts_are_prefilled_in_parts_while_others_decode(pair, chunk):
     batch = make_batch(target, draft, 3)
     batch.prefill_chunk = chunk
     passes = _record_target_passes(batch)
-    for req, result in zip(reqs, batch.run(reqs)):
+    results = batch.run(reqs)
+    for req, result in zip(reqs, results):
         assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"]), req
     parts = [(sizes, keep) for sizes, keep in passes if 0 in keep]
     assert len(parts) >= 23 // chunk - 1
+    long = results[1].stats  # its parts' passes are booked, and its prefill ends before its first token
+    assert long.target_forwards > long.rounds and 0 < long.prefill_seconds <= long.first_token_seconds
     for sizes, keep in passes:  # prompt tokens fed: a part (no logits), or a prompt's rest ahead of its drafts
         unseen = [size if k == 0 else size - k + 1 for size, k in zip(sizes, keep)]
         assert sum(n for n in unseen if n > 1) <= max(chunk, 1), (sizes, keep)
     assert any(len(sizes) > 1 for sizes, _ in parts)  # others decoded beside a prompt's parts
+
+
+def test_a_half_fed_prompt_moves_and_is_cancelled_cleanly(pair):
+    """A prompt fed in parts keeps its place when its row moves into a freed slot, and a row cancelled half
+    fed leaves nothing behind for the request that takes its slot: all exact."""
+    target, draft = pair
+    batch = make_batch(target, draft, 3, k=2, eos=())
+    batch.prefill_chunk = 4
+    first, second = batch.add([1, 2, 3], max_new_tokens=10), batch.add([4, 5], max_new_tokens=10)
+    long = batch.add(list(range(10, 30)), max_new_tokens=10)
+    while not 0 < batch.target.lengths[long.slot] < 19:
+        batch.step()
+    fed = batch.target.lengths[long.slot]
+    batch.cancel(first)
+    assert long.slot == 0 and batch.target.lengths[0] == fed
+    cancelled = batch.add(list(range(30, 50)), max_new_tokens=10)
+    while batch.target.lengths[cancelled.slot] == 0:
+        batch.step()
+    batch.cancel(cancelled)
+    last = batch.add([7, 7, 8], max_new_tokens=10)
+    while batch.active:
+        batch.step()
+    for request in (second, long, last):
+        assert request.result.token_ids == plain_greedy(target, request.prompt_ids, 10, eos=())
+    assert cancelled.result.token_ids == []
 
 
 def test_cancel_mid_batch_leaves_the_others_exact(pair):
@@ -318,6 +351,9 @@ def test_seed_reproduces_whatever_the_batch_mates(pair):
              for i in range(3)]
     assert make_batch(target, draft, 4).run([mates[0], mine, *mates[1:]])[1].token_ids == alone
     assert make_batch(target, draft, 2).run([*mates, mine])[3].token_ids == alone  # joins mid-way
+    chunked = make_batch(target, draft, 3)
+    chunked.prefill_chunk = 2  # its prompt fed in parts that depend on the mates ahead of it
+    assert chunked.run([*mates, mine])[3].token_ids == alone
 
 
 # -- the library -------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ round (verispec.engine) done for every active row at once:
 Every row feeds the target what its cache has not seen yet: the last committed token, or, for a request that
 just joined, its whole prompt. So a joining request's prefill rides in the next round's shared pass (the
 rows are packed side by side there, not padded: see verispec.backends.lean) instead of stalling every
-running row for a forward of its own; a prompt longer than `prefill_chunk` is fed over several rounds, while
-the other rows keep committing. Requests join between rounds (`add`) and leave when they finish or are
+running row for a forward of its own; prompts are fed at most `prefill_chunk` tokens per round in all (the
+oldest request's first, so a long prompt delays the prompts that came after it, never the rows decoding).
+A draft model prefills a prompt whole, in its first draft (see verispec.proposers.rows). Requests join between rounds (`add`) and leave when they finish or are
 cancelled; active requests are kept in the lowest slots (a leaving row's slot is filled by moving the last
 row's cache into it), so the target reads the batch's caches as one view. Exactness is per row: a row's
 tokens depend on its own prompt, settings and generator only, never on its batch mates.
@@ -179,9 +180,13 @@ class BatchGenerator:
         t_draft = time.perf_counter()
         logits = self._score(ready, drafts, partial)
         sync(self.device)
-        for row in ready:
+        t_score = time.perf_counter()
+        for row in ready:  # its prompt is in: prefill_seconds is the wait for that, from `add` on
             if not row.result.stats.prefill_seconds:
-                row.result.stats.prefill_seconds = time.perf_counter() - row.started
+                row.result.stats.prefill_seconds = t_score - row.started
+        for row in partial:  # a part of its prompt went in this pass
+            row.result.stats.target_forwards += 1
+            row.result.stats.target_seconds += t_score - t_draft
         out = []
         for row, plan, draft, row_logits in zip(ready, plans, drafts, logits):
             n, nxt = verify(row.seq, draft, row_logits, row.params, row.generator)
@@ -227,14 +232,22 @@ class BatchGenerator:
                partial: dict[BatchRequest, int]) -> list[torch.Tensor]:
         """Every ready row's target logits [k_b + 1, V] from ONE forward over each row's unseen committed
         tokens (its last one, or its prompt) and drafts; the same pass feeds the partial rows' prompt parts."""
-        rows = ready + list(partial)
-        seen = [self.target.lengths[row.slot] for row in rows]
-        feeds = [torch.cat([row.seq.device_ids[at:], d.tokens]) for row, at, d in zip(ready, seen, drafts)]
-        feeds += [row.seq.device_ids[at : at + n] for (row, n), at in zip(partial.items(), seen[len(ready):])]
-        keep = [d.tokens.numel() + 1 for d in drafts] + [0] * len(partial)
-        if not rows:
+        fed = []  # (slot, feed, logits kept, index among the ready rows or None)
+        for i, (row, draft) in enumerate(zip(ready, drafts)):
+            unseen = row.seq.device_ids[self.target.lengths[row.slot] :]
+            fed.append((row.slot, torch.cat([unseen, draft.tokens]), draft.tokens.numel() + 1, i))
+        for row, n in partial.items():
+            at = self.target.lengths[row.slot]
+            fed.append((row.slot, row.seq.device_ids[at : at + n], 0, None))
+        if not fed:
             return []
-        return self.target.forward_rows([row.slot for row in rows], feeds, keep=keep)[: len(ready)]
+        fed.sort(key=lambda f: f[0])  # slot order: the active slots are one range, read as one view
+        out = self.target.forward_rows([f[0] for f in fed], [f[1] for f in fed], keep=[f[2] for f in fed])
+        logits: list[torch.Tensor] = [None] * len(ready)  # type: ignore[list-item]
+        for (_, _, _, i), row_logits in zip(fed, out):
+            if i is not None:
+                logits[i] = row_logits
+        return logits
 
     def _finish_round(self, row: BatchRequest, committed: list[int], report: RoundReport) -> Committed | None:
         """Stats, stops and the end of a row's generation after its round; the tokens to hand out."""

@@ -38,7 +38,10 @@ from torch.nn import functional as F
 LEAN_TYPES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 FIRST_CAPACITY = 1024  # cache positions allocated first; doubled when full
-PACKED_WHEN_PADDING = 4  # rows are packed, not padded, when padding would add over a quarter of the tokens fed
+# rows are packed, not padded, when padding would add over a quarter of the tokens fed and at least
+# PACKED_MIN_PADDING token rows (a few rows more cost little in a matmul; B attention calls cost more)
+PACKED_WHEN_PADDING = 4
+PACKED_MIN_PADDING = 16
 
 
 def lean_unsupported(model: nn.Module) -> str | None:
@@ -234,15 +237,18 @@ class LeanBatch:
         last one). A row that keeps 0 (a prompt fed in parts) gets [0, V] and costs no LM head."""
         lengths = [self.lengths[s] for s in slots]
         sizes = [f.numel() for f in feeds]
+        if last_only and keep is not None:
+            raise ValueError("give last_only or keep, not both")
         keep = [1] * len(sizes) if last_only else list(sizes) if keep is None else keep
-        if min(sizes) < 1 or any(not 0 <= k <= size for k, size in zip(keep, sizes)):
+        if len(keep) != len(sizes) or min(sizes) < 1 or any(not 0 <= k <= size for k, size in zip(keep, sizes)):
             raise ValueError(f"every row of a batched forward needs at least one token and keeps at most those; "
                              f"got {sizes} fed, {keep} kept")
         too_long = max(length + size for length, size in zip(lengths, sizes))
         if too_long > self.max_length:
             raise ValueError(f"sequence of {too_long} tokens exceeds the model's context of {self.max_length}")
         B, n, fed = len(slots), max(sizes), sum(sizes)
-        packed = B > 1 and (B * n - fed) * PACKED_WHEN_PADDING > fed
+        padding = B * n - fed
+        packed = B > 1 and padding >= PACKED_MIN_PADDING and padding * PACKED_WHEN_PADDING > fed
         end = too_long if packed else max(length + n for length in lengths)
         if end > self._capacity:
             self._grow(end)
@@ -267,13 +273,15 @@ class LeanBatch:
         h = self.net.embed(tokens)  # [B, n, D] or [1, T, D]
         for layer, keys, values in zip(self.net.layers, self.keys, self.values):
             h = layer(h, cos, sin, keys, values, attend)
+        for s, size in zip(slots, sizes):
+            self.lengths[s] += size
+        if not sum(keep):
+            return [h.new_empty(0, self.net.head.out_features) for _ in keep]
         flat = h.view(-1, h.shape[-1])
         if keep != sizes or flat.shape[0] != fed:  # only the kept tokens meet the LM head
             kept = [start + size - k + j for start, size, k in zip(starts, sizes, keep) for j in range(k)]
             flat = flat[torch.tensor(kept, dtype=torch.long, device=self.device)]
         logits = self.net.head(F.rms_norm(flat, flat.shape[-1:], self.net.norm, self.net.eps))  # [sum(keep), V]
-        for s, size in zip(slots, sizes):
-            self.lengths[s] += size
         return list(logits.split(keep))
 
     @torch.inference_mode()

@@ -74,10 +74,12 @@ class BatchDraftModel:
 
     def _catch_up(self, slot: int, seq: TokenSequence) -> torch.Tensor:
         """Feed a slot that is more than two tokens behind (a new prompt) all but the last committed token,
-        alone (a prefill); returns the one or two tokens its first draft step feeds."""
+        alone and whole (a prefill: in parts sized by its batch mates, a quantised draft's kernels would
+        compute it differently, and a seeded row's draws would depend on them); returns the one or two tokens
+        its first draft step feeds."""
         at = self.model.lengths[slot]
         if len(seq) - at > 2:
-            self.model.forward_rows([slot], [seq.device_ids[at:-1]], last_only=True)
+            self.model.forward_rows([slot], [seq.device_ids[at:-1]], keep=[0])
         return seq.device_ids[self.model.lengths[slot] :]
 
     def propose(self, rows: list[RowRequest]) -> list[Draft]:
