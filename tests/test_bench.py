@@ -136,6 +136,38 @@ def test_a_second_turn_runs_on_the_whole_conversation(pair_dirs, monkeypatch):
     assert all(r.ok for r in runs) and runs[1].identical
 
 
+def test_warm_history_times_a_turn_with_the_conversation_already_cached(pair_dirs, monkeypatch):
+    """--warm-history: each run first answers turn 1 itself (untimed), so the timed turn 2 prefills only what
+    turn 1 left out of the target's cache (its answer's end and turn 2), not the whole conversation; outputs
+    stay the same tokens."""
+    from verispec.engine import SpeculativeGenerator
+
+    bench = _tiny_bench(pair_dirs)
+    prompt = Prompt("81", "writing", "Now say it again.", True, ("Say something.",))
+    fed, prefill = [], SpeculativeGenerator._prefill
+
+    def recording(self, seq):
+        head, n = prefill(self, seq)
+        fed.append((len(seq), n))
+        return head, n
+
+    monkeypatch.setattr(SpeculativeGenerator, "_prefill", recording)
+    configs = [Config("verispec k=2", "spec", 2)]
+    cold = run_benchmark(bench, [prompt], configs, SamplingParams(), max_new_tokens=6, warmup=0)
+    answering = len(fed) - 2  # the history's answer (plain, untimed), then the two timed runs
+    assert all(n == length for length, n in fed[answering:])  # the whole conversation prefilled
+    fed.clear()
+    warm = run_benchmark(bench, [prompt], configs, SamplingParams(), max_new_tokens=6, warmup=0, warm_history=True)
+    turn1 = len(encode_messages(bench.baseline.tokenizer, [{"role": "user", "content": "Say something."}]))
+    runs = fed[answering:]  # per configuration: the warm answer's prefill (from scratch), then the timed one's
+    assert len(runs) == 4 and [n for _, n in runs[::2]] == [turn1, turn1]
+    assert all(n <= length - turn1 for length, n in runs[1::2]), runs
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold] and warm[1].identical
+    with pytest.raises(ValueError, match="warm history"):
+        run_benchmark(bench, [prompt], [Config("hf", "hf")], SamplingParams(), max_new_tokens=6, warmup=0,
+                      warm_history=True)
+
+
 def test_cli_bench_second_turns(pair_dirs, tmp_path, capsys):
     target, draft = pair_dirs
     mt = tmp_path / "mt.jsonl"
@@ -148,6 +180,7 @@ def test_cli_bench_second_turns(pair_dirs, tmp_path, capsys):
     assert report["turn"] == 2
     assert sorted({r["prompt_id"] for r in report["runs"]}) == ["0", "2"]
     assert main(["bench", "--target", target, "--draft", draft, "--turn", "0"]) == 2
+    assert main(["bench", "--target", target, "--draft", draft, "--warm-history"]) == 2  # turn 1 has no history
 
 
 def _tiny_bench(pair_dirs) -> Bench:

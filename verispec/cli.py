@@ -406,7 +406,8 @@ def cmd_bench_endpoints(args) -> int:
     )
 
     local = [flag for flag, value in (("--target", args.target), ("--draft", args.draft), ("--compare", args.compare),
-                                      ("--draft-variants", args.draft_variants)) if value]
+                                      ("--draft-variants", args.draft_variants),
+                                      ("--warm-history", args.warm_history)) if value]
     if local:
         raise ValueError(f"--endpoint benchmarks servers only: drop {', '.join(local)}")
     sampling = _endpoint_sampling(args)
@@ -443,6 +444,8 @@ def cmd_bench_endpoints(args) -> int:
 
 def cmd_bench(args) -> int:
     _check_json_out(args.json_out)
+    if args.warm_history and args.turn < 2:
+        raise ValueError("--warm-history needs --turn 2 or later (a turn with a conversation before it)")
     if args.endpoint:
         return cmd_bench_endpoints(args)
     import datetime
@@ -517,7 +520,7 @@ def cmd_bench(args) -> int:
         try:
             with _spec_errors():
                 run_benchmark(bench, prompts, configs, params, args.max_new_tokens, warmup=args.warmup,
-                              on_run=on_run, repeats=args.repeats)
+                              on_run=on_run, repeats=args.repeats, warm_history=args.warm_history)
         except KeyboardInterrupt:
             status = "interrupted"
         except Exception as exc:
@@ -531,7 +534,7 @@ def cmd_bench(args) -> int:
                     "torch": torch.__version__, "device": str(pipe.device)},
         "target": target, "draft": draft, "device": str(pipe.device), "dtype": pipe.dtype,
         "sampling": "greedy" if params.greedy else f"T={params.temperature} top_p={params.top_p} top_k={params.top_k}",
-        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "turn": args.turn, "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "turn": args.turn, "warm_history": args.warm_history, "repeats": args.repeats,
         "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab,
         "draft_forward": pipe.draft_forward, "draft_variants": variants,
         "backend": pipe.backend, "draft_backend": pipe.draft_backend,
@@ -786,6 +789,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "earlier turns and their answers in the context; the answers are the target's plain "
                         "greedy decoding (with --endpoint: the first endpoint's), not timed; questions with "
                         "fewer turns are left out (default: 1)")
+    b.add_argument("--warm-history", action="store_true",
+                   help="with --turn 2 or later: each run first answers the previous turn itself, untimed, so "
+                        "that the timed turn starts with the conversation in its caches, as in a chat (default: "
+                        "the whole conversation is prefilled in the timed run)")
     b.add_argument("--limit", type=_positive_int, metavar="N", help="at most N prompts (default: all)")
     b.add_argument("--per-category", type=_positive_int, metavar="N",
                    help="at most N prompts per category (default: all)")

@@ -194,8 +194,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int | str) -> dict:
+def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int | str,
+                warm: list[int] | None = None) -> dict:
     pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
+    if warm is not None:  # the earlier turn answered first, untimed: its caches and drafter state, as in a chat
+        pipe.generator.generate(warm, params, max_new_tokens=max_new, num_draft_tokens=k)
     generation = pipe.generator.stream(ids, params, max_new_tokens=max_new, num_draft_tokens=k)
     first_tokens, timeline, start = 0, [], time.perf_counter()
     for committed in generation:  # a round commits one token or several: count those that came first
@@ -239,7 +242,8 @@ def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new)
 
 
-def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: int, lookup: bool) -> dict:
+def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: int, lookup: bool,
+               warm: list[int] | None = None) -> dict:
     pipe = bench.baseline
     llm = bench.llama(lookup)
     if len(ids) + max_new > llm.n_ctx():
@@ -250,15 +254,26 @@ def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: in
         sampling = dict(temp=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
     eos = pipe.generator.eos_token_ids
     llm.reset()  # forget what this Llama believes its context holds (verispec may have used it since)
-    new: list[int] = []
+
+    def generate(prompt: list[int], on_token: Callable[[], None]) -> list[int]:
+        new: list[int] = []
+        for token in llm.generate(prompt, reset=True, repeat_penalty=params.repetition_penalty, **sampling):
+            new.append(int(token))  # generate(reset=True) keeps the context's prefix it shares with `prompt`
+            on_token()
+            if token in eos or len(new) >= max_new:
+                break
+        return new
+
+    if warm is not None:  # the earlier turn answered first, untimed (see _run_engine)
+        generate(warm, lambda: None)
     ttft = None
     t0 = time.perf_counter()
-    for token in llm.generate(ids, reset=True, repeat_penalty=params.repetition_penalty, **sampling):
-        new.append(int(token))
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        if token in eos or len(new) >= max_new:
-            break
+
+    def first_token() -> None:
+        nonlocal ttft
+        ttft = time.perf_counter() - t0 if ttft is None else ttft
+
+    new = generate(ids, first_token)
     seconds = time.perf_counter() - t0
     pipe.generator.reset()  # the target's llama.cpp context may be this one: its cache no longer holds ours
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new, ttft=ttft, first_tokens=min(1, len(new)))
@@ -291,13 +306,16 @@ def run_benchmark(
     warmup: int = 1,
     on_run: Callable[[Run], None] | None = None,
     repeats: int = 1,
+    warm_history: bool = False,
 ) -> list[Run]:
     """Returns one Run per (prompt, configuration), the baseline's included (config 'plain'). With repeats > 1
     every prompt runs that many times per configuration (one block each, the orders balanced) and a Run pools them:
     summed tokens, seconds and counters, so its speedup is total tokens/s over the baseline's total tokens/s
     on that prompt, which averages out a noisy machine's swings that a single run cannot. Every
     configuration's pipeline is built (its models loaded) before the first run. A prompt with earlier turns
-    runs on the whole conversation, its earlier answers the target's plain greedy ones (see answer_history)."""
+    runs on the whole conversation, its earlier answers the target's plain greedy ones (see answer_history):
+    prefilled from scratch, or with `warm_history` as a chat session has it, each run first answering the
+    previous turn itself, untimed, so that its caches (and drafter) already hold the conversation before it."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     plain = Config("plain", "plain")
@@ -309,14 +327,19 @@ def run_benchmark(
         if c.kind in ("hf", "hf-lookup") and not isinstance(bench.baseline.generator.target, HFModel):
             raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs a transformers "
                              f"target (the 'hf' backend)")
+    if warm_history and any(c.kind in ("hf", "hf-lookup") for c in order):
+        raise ValueError("warm history runs verispec's and llama.cpp's configurations (Hugging Face generate "
+                         "keeps no cache between calls)")
     prompts = answer_history(prompts, lambda p: _plain_answer(bench.baseline, p.messages(), max_new_tokens))
-    encoded = [encode_messages(bench.baseline.tokenizer, p.messages()) if p.history
-               else encode_prompt(bench.baseline.tokenizer, p.text, p.chat) for p in prompts]
+    tokenizer = bench.baseline.tokenizer
+    encoded = [encode_messages(tokenizer, p.messages()) if p.history else encode_prompt(tokenizer, p.text, p.chat)
+               for p in prompts]
+    warm = [encode_messages(tokenizer, p.messages()[:-2]) if warm_history and p.history else None for p in prompts]
     if encoded and warmup:
         for config in order:  # warm-up: allocator, kernels, caches; results discarded
             for _ in range(warmup):
                 _one(bench, config, encoded[0], params, min(8, max_new_tokens))
-    return _interleaved(bench, prompts, encoded, order, params, max_new_tokens, on_run, repeats)
+    return _interleaved(bench, prompts, list(zip(encoded, warm)), order, params, max_new_tokens, on_run, repeats)
 
 
 def _plain_answer(pipe: Pipeline, messages: list[dict], max_new_tokens: int) -> str:
@@ -332,7 +355,7 @@ def _interleaved(bench, prompts, encoded, order, params, max_new_tokens, on_run,
     later prompt is interrupted."""
     runs: list[Run] = []
     orders = balanced_orders(len(order))
-    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+    for i, (prompt, (ids, warm)) in enumerate(zip(prompts, encoded)):
         by_config: dict[str, list[Run]] = {c.name: [] for c in order}
         failed: dict[str, str] = {}
         for r in range(repeats):
@@ -341,7 +364,7 @@ def _interleaved(bench, prompts, encoded, order, params, max_new_tokens, on_run,
                 if config.name in failed:
                     continue
                 try:
-                    measured = _one(bench, config, ids, params, max_new_tokens)
+                    measured = _one(bench, config, ids, params, max_new_tokens, warm)
                 except Exception as exc:  # this run's failure; KeyboardInterrupt (not an Exception) ends the benchmark
                     failed[config.name] = _one_line(exc)
                     continue
@@ -415,11 +438,13 @@ def _pooled(repeats: list[Run], base: Run | None) -> Run:
     return pooled
 
 
-def _one(bench: Bench, config: Config, ids: list[int], params: SamplingParams, max_new: int) -> dict:
+def _one(bench: Bench, config: Config, ids: list[int], params: SamplingParams, max_new: int,
+         warm: list[int] | None = None) -> dict:
+    """One timed run; `warm`: a previous turn's prompt, answered first, untimed (hf configurations refuse it)."""
     if config.kind == "hf":
         return _run_hf(bench.baseline, ids, params, max_new, bench.hf_draft())
     if config.kind == "hf-lookup":
         return _run_hf(bench.baseline, ids, params, max_new, None)
     if config.kind in ("llama", "llama-lookup"):
-        return _run_llama(bench, ids, params, max_new, config.kind == "llama-lookup")
-    return _run_engine(bench.pipeline(config), ids, params, max_new, config.k if config.kind == "spec" else 0)
+        return _run_llama(bench, ids, params, max_new, config.kind == "llama-lookup", warm)
+    return _run_engine(bench.pipeline(config), ids, params, max_new, config.k if config.kind == "spec" else 0, warm)
