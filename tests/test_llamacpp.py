@@ -309,6 +309,27 @@ def test_cli_generate_llamacpp(capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_draft_tokens"] == 3
 
 
+@pytest.mark.parametrize("warm", [False, True])
+def test_cli_bench_compares_llama_cpp_python_on_second_turns(capsys, tmp_path, warm):
+    """`verispec bench --backend llamacpp --compare llama --turn 2` (cold and --warm-history): llama-cpp-python's
+    own plain decoding of the same GGUF gives verispec plain's tokens, and every run measures its first token."""
+    from verispec.cli import main
+
+    mt = tmp_path / "mt.jsonl"
+    mt.write_text("\n".join(json.dumps({"question_id": i, "category": "writing", "turns": turns}) for i, turns in
+                            enumerate([["Name three colours.", "Now three more."], ["Say hi.", "Say bye."]])))
+    args = ["bench", "--target", NAME, "--backend", "llamacpp", "--drafters", "ngram", "-k", "auto", "--compare",
+            "llama", "--prompts", str(mt), "--turn", "2", "--max-new-tokens", "16", "--warmup", "0", "--json"]
+    assert main(args + ["--warm-history"] * warm) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["warm_history"] is warm
+    runs = {(r["prompt_id"], r["config"]): r for r in report["runs"]}
+    for pid in ("0", "1"):
+        theirs = next(r for (p, c), r in runs.items() if p == pid and "llama" in c)
+        assert theirs["identical"] and theirs["new_tokens"] == runs[(pid, "plain")]["new_tokens"]
+        assert all(r["ttft"] and r["ttft"] > 0 for (p, _), r in runs.items() if p == pid)
+
+
 def test_cli_llamacpp_bad_inputs(capsys, tmp_path):
     from verispec.cli import main
 
