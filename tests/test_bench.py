@@ -224,8 +224,8 @@ def test_report_schema_and_identity(pair_dirs, tmp_path):
 def test_identity_check_catches_planted_mismatch(pair_dirs, monkeypatch):
     real = harness._run_engine
 
-    def planted(pipe, ids, params, max_new, k):
-        out = real(pipe, ids, params, max_new, k)
+    def planted(pipe, ids, params, max_new, k, warm=None):
+        out = real(pipe, ids, params, max_new, k, warm)
         if k == 4:  # corrupt one token of one configuration
             out["token_ids"] = out["token_ids"][:5] + [(out["token_ids"][5] + 1) % 200] + out["token_ids"][6:]
         return out
@@ -302,8 +302,8 @@ def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
     real = harness._run_engine
     calls = []
 
-    def recorded(pipe, ids, params, max_new, k):
-        out = real(pipe, ids, params, max_new, k)
+    def recorded(pipe, ids, params, max_new, k, warm=None):
+        out = real(pipe, ids, params, max_new, k, warm)
         calls.append(k)
         out["seconds"] = {0: 2.0, 3: 1.0}[k] * len([c for c in calls if c == k])  # fake, distinct timings
         if k == 3 and len([c for c in calls if c == 3]) == 5:  # corrupt one repeat (prompt 2, repeat 2)
@@ -358,7 +358,7 @@ def test_runs_follow_the_balanced_orders(pair_dirs, monkeypatch):
     configs = [Config("a", "spec", 1), Config("b", "spec", 2), Config("ngram", "spec", 3, "ngram")]
     seen = []
 
-    def fake(bench, config, ids, params, max_new):
+    def fake(bench, config, ids, params, max_new, warm=None):
         seen.append(config.name)
         return dict(new_tokens=4, seconds=1.0, token_ids=[1, 2, 3, 4])
 
@@ -491,7 +491,7 @@ def test_failed_configuration_is_left_out_of_the_aggregates(pair_dirs, monkeypat
     seconds = {("plain", 0): 1.0, ("plain", 1): 4.0, ("a", 0): 0.5, ("a", 1): 2.0, ("b", 0): 0.5}
     calls = []
 
-    def fake(bench, config, ids, params, max_new):
+    def fake(bench, config, ids, params, max_new, warm=None):
         i = ids[0]  # the prompt's index, see encode_prompt below
         calls.append((config.name, i))
         if (config.name, i) in (("b", 1), ("plain", 2)):
