@@ -10,14 +10,15 @@ round (verispec.engine) done for every active row at once:
   slot rolled back to its committed tokens (O(1)).
 
 Every row feeds the target what its cache has not seen yet: the last committed token, or, for a request that
-just joined, its whole prompt. So a joining request's prefill rides in the next round's shared pass (the
-rows are packed side by side there, not padded: see verispec.backends.lean) instead of stalling every
-running row for a forward of its own; prompts are fed at most `prefill_chunk` tokens per round in all (the
-oldest request's first, so a long prompt delays the prompts that came after it, never the rows decoding).
-A draft model prefills a prompt whole, in its first draft (see verispec.proposers.rows). Requests join between rounds (`add`) and leave when they finish or are
-cancelled; active requests are kept in the lowest slots (a leaving row's slot is filled by moving the last
-row's cache into it), so the target reads the batch's caches as one view. Exactness is per row: a row's
-tokens depend on its own prompt, settings and generator only, never on its batch mates.
+just joined, its whole prompt. So a joining request's prefill rides in the next round's shared pass (the rows
+are packed side by side there, not padded: see verispec.backends.lean) instead of stalling every running row
+for a forward of its own; prompts are fed at most `prefill_chunk` tokens per round in all (the oldest
+request's first, so a long prompt delays the prompts that came after it, never the rows decoding). A draft
+model prefills a prompt whole, in its first draft (see verispec.proposers.rows). Requests join between rounds
+(`add`) and leave when they finish or are cancelled; active requests are kept in the lowest slots (a leaving
+row's slot is filled by moving the last row's cache into it), so the target reads the batch's caches as one
+view. Exactness is per row: a row's tokens depend on its own prompt, settings and generator only, never on its
+batch mates.
 
 The k of "auto" in a batch is a fixed `BATCH_AUTO_K`: the cost-aware policy prices a lone sequence's target
 pass, and in a batch that pass is shared.

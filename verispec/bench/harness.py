@@ -255,26 +255,23 @@ def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: in
     eos = pipe.generator.eos_token_ids
     llm.reset()  # forget what this Llama believes its context holds (verispec may have used it since)
 
-    def generate(prompt: list[int], on_token: Callable[[], None]) -> list[int]:
+    def generate(prompt: list[int]) -> tuple[list[int], float | None]:
+        """The tokens, and when the first came."""
         new: list[int] = []
+        first = None
         for token in llm.generate(prompt, reset=True, repeat_penalty=params.repetition_penalty, **sampling):
             new.append(int(token))  # generate(reset=True) keeps the context's prefix it shares with `prompt`
-            on_token()
+            first = first or time.perf_counter()
             if token in eos or len(new) >= max_new:
                 break
-        return new
+        return new, first
 
     if warm is not None:  # the earlier turn answered first, untimed (see _run_engine)
-        generate(warm, lambda: None)
-    ttft = None
+        generate(warm)
     t0 = time.perf_counter()
-
-    def first_token() -> None:
-        nonlocal ttft
-        ttft = time.perf_counter() - t0 if ttft is None else ttft
-
-    new = generate(ids, first_token)
+    new, first = generate(ids)
     seconds = time.perf_counter() - t0
+    ttft = None if first is None else first - t0
     pipe.generator.reset()  # the target's llama.cpp context may be this one: its cache no longer holds ours
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new, ttft=ttft, first_tokens=min(1, len(new)))
 
