@@ -1,0 +1,195 @@
+"""verispec.bench.bounds: greedy speculation's rounds worked out from plain decoding equal the engine's real
+rounds, and the oracle is the fastest of all policies."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from tiny import make_engine, perturbed, tiny_qwen2
+from verispec.backends import HFModel
+from verispec.bench.bounds import (
+    Costs,
+    Text,
+    acceptance_per_depth,
+    decode_seconds,
+    free_rounds,
+    model_rounds,
+    oracle_seconds,
+    perfect_rounds,
+    per_source_table,
+    policy_seconds,
+    simulate,
+)
+from verispec.adaptive import CostAwareK
+from verispec.policy import FixedK
+from verispec.proposers import NgramProposer, SuffixProposer
+from verispec.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 13, 5, 9, 13, 21, 5, 9], [40, 41, 42, 43, 40, 41, 42, 7, 8, 40], [3, 3, 17, 29, 3, 3, 17]]
+K_MAX = 6
+
+
+class Recorder:
+    """A k policy that drafts a fixed k and records each round's (drafted, accepted)."""
+
+    def __init__(self, k: int) -> None:
+        self.fixed, self.rounds = FixedK(k), []
+
+    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
+        self.rounds.append([])
+
+    def choose(self, view):
+        return self.fixed.choose(view)
+
+    def observe(self, report) -> None:
+        self.rounds[-1].append((report.drafted, report.accepted))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_qwen2(seed=1, scale=4.0)
+    return target, perturbed(target, seed=2, noise=0.3)
+
+
+def plain_texts(target, budget: int, eos: tuple[int, ...] = ()) -> list[Text]:
+    engine = make_engine(target, k=0, eos=eos)
+    return [Text(p, engine.generate(p, SamplingParams(), max_new_tokens=budget).token_ids, budget=budget)
+            for p in PROMPTS]
+
+
+def engine_rounds(target, draft, drafter: str, k: int, budget: int, eos: tuple[int, ...]) -> list[list[tuple]]:
+    engine = make_engine(target, draft if drafter == "model" else None, k=k, eos=eos,
+                         drafter="model" if drafter == "model" else "ngram")
+    if drafter == "suffix":
+        engine.proposer = SuffixProposer()
+    elif drafter == "ngram":
+        engine.proposer = NgramProposer(max_ngram=3, min_ngram=1)
+    recorder = engine.k_policy = Recorder(k)
+    outputs = [engine.generate(p, SamplingParams(), max_new_tokens=budget, num_draft_tokens="auto").token_ids
+               for p in PROMPTS]
+    return recorder.rounds, outputs
+
+
+def simulated_rounds(texts: list[Text], draft, drafter: str) -> None:
+    if drafter == "model":
+        model = HFModel(draft)
+        for t in texts:
+            model.reset()
+            guesses = model.forward(torch.tensor(t.prompt + t.output)).argmax(dim=-1).tolist()
+            t.rounds[drafter] = model_rounds(guesses, t, K_MAX)
+        return
+    proposer = SuffixProposer() if drafter == "suffix" else NgramProposer(max_ngram=3, min_ngram=1)
+    for t in texts:  # one proposer for all, as the engine's: the suffix history carries over
+        t.rounds[drafter] = free_rounds(proposer, t, K_MAX)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "suffix"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("ends", ["length", "eos"])
+def test_simulated_rounds_are_the_engines_rounds(pair, drafter, k, ends):
+    """Every round of greedy speculation (drafted, accepted), the first round and one that reaches an end of
+    text included, predicted from plain decoding's output alone."""
+    target, draft = pair
+    budget, eos = 40, ()
+    if ends == "eos":  # a token plain decoding emits mid-way ends the generation there
+        eos = (plain_texts(target, budget)[0].output[12],)
+    texts = plain_texts(target, budget, eos)
+    real, outputs = engine_rounds(target, draft, drafter, k, budget, eos)
+    assert outputs == [t.output for t in texts]  # greedy speculation is plain decoding
+    simulated_rounds(texts, draft, drafter)
+    predicted = [[(d, a) for _, _, d, a in simulate(t, lambda i: (drafter, k))] for t in texts]
+    assert predicted == real
+    assert sum(a for rounds in real for _, a in rounds) > 0  # drafts were accepted: the test sees acceptance
+    if ends == "eos":
+        assert any(len(t.output) < budget for t in texts)
+
+
+def random_text(rng: random.Random, n: int, drafters: list[str], k_max: int) -> Text:
+    text = Text([1], [0] * n)
+    for d in drafters:
+        rows = []
+        for _ in range(n):
+            run = rng.choice([0, 0, 1, 2, 4, 8])
+            width = rng.choice([k_max, k_max, 1, 0])
+            rows.append((rng.choice(["a", "b"]), [(min(k, width), min(k, width, run)) for k in range(1, k_max + 1)]))
+        text.rounds[d] = rows
+    return text
+
+
+def brute_force(text: Text, drafters: list[str], costs: Costs, k_max: int, i: int = 0) -> float:
+    """Every choice at every round, enumerated."""
+    if i >= len(text.output):
+        return 0.0
+    best = costs.round(i, "", 0) + brute_force(text, drafters, costs, k_max, i + 1)
+    for d, k in itertools.product(drafters, range(1, min(k_max, text.limit(i)) + 1)):
+        drafted, accepted = text.rounds[d][i][1][k - 1]
+        best = min(best, costs.round(i, d, drafted) + brute_force(text, drafters, costs, k_max, i + accepted + 1))
+    return best
+
+
+def test_oracle_is_the_fastest_choice_at_every_round():
+    rng = random.Random(0)
+    k_max = 3
+    costs = Costs({1: 1.0, 2: 1.5, 3: 2.0, 4: 1.7}, {"m": 0.3})
+    for _ in range(30):
+        text = random_text(rng, rng.randint(1, 9), ["f", "m"], k_max)
+        oracle = oracle_seconds(text, ["f", "m"], costs, k_max)
+        assert oracle == pytest.approx(brute_force(text, ["f", "m"], costs, k_max))
+        for d, k in itertools.product(["f", "m"], range(k_max + 1)):
+            assert oracle <= decode_seconds(text, lambda i: (d, k), costs) + 1e-12
+        table = per_source_table([text], "f", costs, k_max)
+        assert oracle_seconds(text, ["f"], costs, k_max) <= decode_seconds(
+            text, lambda i: ("f", table.get(text.rounds["f"][i][0], 0)), costs) + 1e-12
+
+
+def test_plain_decoding_costs_one_pass_per_token_after_the_prefill():
+    text = random_text(random.Random(1), 10, ["f"], 2)
+    costs = Costs({1: 0.1, 2: 0.15, 3: 0.2})
+    assert decode_seconds(text, lambda i: ("f", 0), costs) == pytest.approx(costs.plain(text)) == pytest.approx(0.9)
+
+
+def test_acceptance_per_depth_counts_only_drafts_that_reach_the_depth():
+    rounds = [("s", [(3, 3)]), ("s", [(1, 1)]), ("s", [(3, 1)]), ("s", [(0, 0)])]
+    # depth 1: 3 drafts, all accepted; depth 2: drafts of >= 2 tokens with the first accepted: 2, 1 accepted
+    assert acceptance_per_depth(rounds, 3) == [1.0, 0.5, 1.0]
+
+
+def test_a_replayed_policy_is_priced_like_its_rounds(pair):
+    """policy_seconds replays a policy through the engine's exchange: FixedK costs what its simulated rounds
+    cost, and the cost-aware policy, learning across the texts, is never faster than the oracle."""
+    target, _ = pair
+    texts = plain_texts(target, 40)
+    simulated_rounds(texts, None, "ngram")
+    costs = Costs({n: 0.1 + 0.04 * (n - 1) for n in range(1, K_MAX + 2)})
+    for k in (0, 2, 5):
+        for t in texts:
+            assert policy_seconds(t, "ngram", FixedK(k), costs) == pytest.approx(
+                decode_seconds(t, lambda i: ("ngram", k), costs))
+    policy = CostAwareK(k_max=K_MAX)
+    for t in texts:
+        assert policy_seconds(t, "ngram", policy, costs) >= oracle_seconds(t, ["ngram"], costs, K_MAX) - 1e-12
+    assert policy.for_source("ngram").costs.target.t_verify  # it learnt the priced passes
+
+
+def test_the_ceiling_is_every_draft_accepted_at_the_cheapest_pass():
+    """The perfect drafter's oracle is at most any drafter's with the same step cost, and worked out by hand on
+    a small case: 7 tokens, passes 1.0 / 1.4 / 2.0 / 1.8 (the envelope prices 3 tokens at 1.8), a step 0.1."""
+    rng = random.Random(2)
+    costs = Costs({1: 1.0, 2: 1.4, 3: 2.0, 4: 1.8}, {"m": 0.1, "perfect": 0.1})
+    assert costs.envelope().verify == {1: 1.0, 2: 1.4, 3: 1.8, 4: 1.8}
+    for _ in range(20):
+        text = random_text(rng, rng.randint(1, 12), ["m"], 3)
+        text.rounds["perfect"] = perfect_rounds(text, 3)
+        assert oracle_seconds(text, ["perfect"], costs.envelope(), 3) <= oracle_seconds(text, ["m"], costs, 3) + 1e-12
+    text = Text([1], [0] * 7)
+    text.rounds["perfect"] = perfect_rounds(text, 3)
+    ended = Text([1], [0] * 7, budget=20)  # an end of text at 7: no draft is accepted past it
+    ended.rounds["perfect"] = perfect_rounds(ended, 3)
+    assert oracle_seconds(ended, ["perfect"], costs.envelope(), 3) <= oracle_seconds(text, ["perfect"], costs.envelope(), 3)
+    # round 0 takes the prefill's token (free); round 1 drafts 3 (a pass over 4: 1.8 + 0.3) and commits 4; round 5
+    # drafts 1 (a pass over 2: 1.4 + 0.1) and commits the last 2. Drafting 3 at once (2.1) would cost 4.1 in all.
+    assert oracle_seconds(text, ["perfect"], costs.envelope(), 3) == pytest.approx(3.6)
