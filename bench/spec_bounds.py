@@ -57,21 +57,25 @@ from verispec.text import encode_messages, encode_prompt
 FREE = {"suffix": SuffixProposer, "ngram": NgramProposer}
 
 
-def pass_costs(model, context: int, widths: range, repeats: int) -> dict[int, float]:
-    """Median seconds of a forward over n new tokens on a warm cache of `context` tokens, per n in `widths`."""
-    model.reset()
-    model.forward(torch.arange(1000, 1000 + context, device=model.device), last_only=True)
-    costs = {}
-    for n in widths:
-        times = []
-        for r in range(repeats + 1):  # the first call of a new width may pay for planning or allocation
-            t0 = time.perf_counter()
-            model.forward(torch.arange(3000, 3000 + n, device=model.device))
-            times.append(time.perf_counter() - t0)
-            model.rollback(context)
-        costs[n] = statistics.median(times[1:])
-    model.reset()
-    return costs
+def pass_costs(models: dict[str, tuple[object, range]], context: int, repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds of each model's forward over n new tokens on a warm cache of `context` tokens, for each n
+    of its range. The widths and models take turns within each repeat, so that a machine's drift over the
+    measurement weighs on every width alike instead of skewing their ratios."""
+    for model, _ in models.values():
+        model.reset()
+        model.forward(torch.arange(1000, 1000 + context, device=model.device), last_only=True)
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in widths} for name, (_, widths) in models.items()}
+    for r in range(repeats + 1):  # the first round pays for planning or allocation of new widths: dropped
+        for name, (model, widths) in models.items():
+            for n in widths:
+                t0 = time.perf_counter()
+                model.forward(torch.arange(3000, 3000 + n, device=model.device))
+                if r:
+                    times[name][n].append(time.perf_counter() - t0)
+                model.rollback(context)
+    for model, _ in models.values():
+        model.reset()
+    return {name: {n: statistics.median(ts) for n, ts in by_n.items()} for name, by_n in times.items()}
 
 
 def timed_forward(model, ids: list[int], warm: list[int]) -> float:
@@ -97,6 +101,7 @@ def decode_texts(pipe, prompts, max_new: int, warm_history: bool, draft) -> list
             pipe.generator.generate(warm, SamplingParams(), max_new_tokens=1, num_draft_tokens=0)
         result = pipe.generator.generate(ids, SamplingParams(), max_new_tokens=max_new, num_draft_tokens=0)
         text = Text(ids, result.token_ids, max_new, result.stats.prefill_seconds)
+        text.decode = result.stats.seconds - result.stats.prefill_seconds  # plain decoding as timed
         if draft is not None:
             text.draft_prefill = timed_forward(draft, ids, warm)
         texts.append(text)
@@ -159,8 +164,12 @@ def main() -> None:
     texts = decode_texts(pipe, prompts, args.max_new_tokens, args.warm_history, draft)
 
     context = int(statistics.median(len(t.prompt) + len(t.output) // 2 for t in texts))
-    verify = pass_costs(pipe.generator.target, context, range(1, args.k_max + 2), args.repeats)
-    costs = Costs(verify, {"model": pass_costs(draft, context, range(1, 2), args.repeats)[1]} if use_model else {})
+    models = {"target": (pipe.generator.target, range(1, args.k_max + 2))}
+    if use_model:
+        models["model"] = (draft, range(1, 2))
+    measured = pass_costs(models, context, args.repeats)
+    verify = measured["target"]
+    costs = Costs(verify, {"model": measured["model"][1]} if use_model else {})
     step = verify[1]
     print(f"# target pass over n tokens, x one token ({step * 1e3:.1f} ms): "
           + ", ".join(f"{n}: {verify[n] / step:.2f}" for n in verify))
@@ -178,8 +187,9 @@ def main() -> None:
                     "draft_step_x": costs.steps.get("model", 0.0) / step,
                     "prefill_s": sum(t.prefill for t in texts), "draft_prefill_s": sum(t.draft_prefill for t in texts),
                     "plain_decode_s": sum(costs.plain(t) for t in texts), "drafters": {}}
-    print(f"\nplain decoding: {report['plain_decode_s']:.1f} s (at the measured step), prefill {report['prefill_s']:.1f} s, "
-          f"{report['tokens']} tokens")
+    report["plain_decode_timed_s"] = sum(t.decode for t in texts)
+    print(f"\nplain decoding: {report['plain_decode_s']:.1f} s at the measured step ({report['plain_decode_timed_s']:.1f} s "
+          f"as timed), prefill {report['prefill_s']:.1f} s, {report['tokens']} tokens")
     print("| drafter | policy | decode speedup | end-to-end speedup |")
     print("|---|---|---|---|")
 

@@ -54,6 +54,7 @@ class Text:
     budget: int = 0  # the generation's max_new_tokens (0: len(output)); it caps k as in the engine
     prefill: float = 0.0  # seconds of the target's prefill of the prompt
     draft_prefill: float = 0.0  # seconds of the draft model's prefill of the prompt
+    decode: float = 0.0  # seconds plain decoding took after the prefill, as timed
     rounds: dict[str, list[Round]] = field(default_factory=dict)  # drafter -> a Round per i = 0 .. len(output) - 1
 
     def limit(self, i: int) -> int:
