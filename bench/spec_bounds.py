@@ -15,7 +15,8 @@ per drafter, as decode time (after the prefill) and end to end (prefill included
     ceiling       (with a draft model) every draft accepted, at the draft's step cost: no draft model, chain or
                   tree, can beat it; end to end once with the draft's prefill, once without any
 
-A draft model's rows include its prefill of every prompt; the free drafters' do not (they prefill nothing).
+A row pays the draft model's prefill of a prompt only where it drafts with the model there (an oracle: only
+where that wins the prefill back); the free drafters prefill nothing.
 Prints a table and, last, one JSON line.
 
 Usage: python bench/spec_bounds.py --prompts ../shared/bench-data/HumanEval.jsonl.gz --limit 20 \
@@ -37,7 +38,6 @@ from verispec.bench.bounds import (
     Costs,
     Text,
     acceptance_per_depth,
-    decode_seconds,
     free_rounds,
     mean_accepted_length,
     model_rounds,
@@ -46,13 +46,16 @@ from verispec.bench.bounds import (
     per_source_policy,
     per_source_table,
     policy_seconds,
+    simulate,
 )
 from verispec.adaptive import CostAwareK
 from verispec.bench.loader import answer_history, load_prompts, select
+from verispec.proposers.draft_model import align_vocab
 from verispec.proposers.ngram import NgramProposer
 from verispec.proposers.suffix import SuffixProposer
 from verispec.sampling import SamplingParams
 from verispec.text import encode_messages, encode_prompt
+from verispec.timing import sync
 
 FREE = {"suffix": SuffixProposer, "ngram": NgramProposer}
 
@@ -70,6 +73,7 @@ def pass_costs(models: dict[str, tuple[object, range]], context: int, repeats: i
             for n in widths:
                 t0 = time.perf_counter()
                 model.forward(torch.arange(3000, 3000 + n, device=model.device))
+                sync(model.device)
                 if r:
                     times[name][n].append(time.perf_counter() - t0)
                 model.rollback(context)
@@ -84,8 +88,10 @@ def timed_forward(model, ids: list[int], warm: list[int]) -> float:
     shared = min(common_prefix_length(warm, ids), len(ids) - 1)
     if shared:
         model.forward(torch.tensor(ids[:shared], device=model.device), last_only=True)
+    sync(model.device)
     t0 = time.perf_counter()
     model.forward(torch.tensor(ids[shared:], device=model.device), last_only=True)
+    sync(model.device)
     return time.perf_counter() - t0
 
 
@@ -100,7 +106,8 @@ def decode_texts(pipe, prompts, max_new: int, warm_history: bool, draft) -> list
         if warm:  # the conversation so far in the target's cache, as in a chat: only the new turn is prefilled
             pipe.generator.generate(warm, SamplingParams(), max_new_tokens=1, num_draft_tokens=0)
         result = pipe.generator.generate(ids, SamplingParams(), max_new_tokens=max_new, num_draft_tokens=0)
-        text = Text(ids, result.token_ids, max_new, result.stats.prefill_seconds)
+        budget = min(max_new, pipe.generator.target.max_length - len(ids))  # as the engine caps it
+        text = Text(ids, result.token_ids, budget, result.stats.prefill_seconds)
         text.decode = result.stats.seconds - result.stats.prefill_seconds  # plain decoding as timed
         if draft is not None:
             text.draft_prefill = timed_forward(draft, ids, warm)
@@ -110,7 +117,7 @@ def decode_texts(pipe, prompts, max_new: int, warm_history: bool, draft) -> list
     return texts
 
 
-def add_rounds(texts: list[Text], drafters: list[str], draft, k_max: int) -> None:
+def add_rounds(texts: list[Text], drafters: list[str], draft, vocab_size: int, k_max: int) -> None:
     for name in drafters:
         proposer = FREE[name]() if name in FREE else None  # one for all texts: its history carries, as in a process
         for t in texts:
@@ -118,7 +125,8 @@ def add_rounds(texts: list[Text], drafters: list[str], draft, k_max: int) -> Non
                 t.rounds[name] = free_rounds(proposer, t, k_max)
                 continue
             draft.reset()
-            guesses = draft.forward(torch.tensor(t.prompt + t.output, device=draft.device)).argmax(dim=-1).tolist()
+            logits = draft.forward(torch.tensor(t.prompt + t.output, device=draft.device))
+            guesses = align_vocab(logits, vocab_size).argmax(dim=-1).tolist()
             t.rounds[name] = model_rounds(guesses, t, k_max)
         if draft is not None:
             draft.reset()
@@ -175,12 +183,31 @@ def main() -> None:
           + ", ".join(f"{n}: {verify[n] / step:.2f}" for n in verify))
     if use_model:
         print(f"# draft step {costs.steps['model'] * 1e3:.1f} ms = {costs.steps['model'] / step:.3f} of a target step")
-    add_rounds(texts, drafters, draft, args.k_max)
+    add_rounds(texts, drafters, draft, pipe.generator.target.vocab_size, args.k_max)
 
-    def speedups(sub: list[Text], decode: float, model_prefill: bool) -> dict[str, float]:
-        plain = sum(costs.plain(t) for t in sub)
-        prefill = sum(t.prefill + (t.draft_prefill if model_prefill else 0.0) for t in sub)
-        return {"decode_speedup": plain / decode, "e2e_speedup": (plain + sum(t.prefill for t in sub)) / (decode + prefill)}
+    def speedups(sub: list[Text], per_text: list[tuple[float, float]]) -> dict[str, float]:
+        """From each text's (decode seconds, draft prefill seconds it pays): decode and end-to-end speedups."""
+        plain, prefill = sum(costs.plain(t) for t in sub), sum(t.prefill for t in sub)
+        decode = sum(d for d, _ in per_text)
+        return {"decode_speedup": plain / decode,
+                "e2e_speedup": (plain + prefill) / (decode + prefill + sum(p for _, p in per_text))}
+
+    def oracle(t: Text, names: list[str], priced: Costs = costs, model_prefill: bool = True) -> tuple[float, float]:
+        """The oracle's (decode, draft prefill) on a text: a draft model's prefill is paid only where drafting
+        with it wins it back, the free drafters (or plain decoding) deciding the rest."""
+        free = [n for n in names if n in FREE]
+        without = oracle_seconds(t, free, priced, args.k_max)
+        if len(free) == len(names):
+            return without, 0.0
+        paid = t.draft_prefill if model_prefill else 0.0
+        used = oracle_seconds(t, names, priced, args.k_max)
+        return (used, paid) if used + paid < without else (without, 0.0)
+
+    def policy(t: Text, choose) -> tuple[float, float]:
+        """A policy's (decode, draft prefill): the prefill is paid where the policy drafts with the model."""
+        trace = simulate(t, choose)
+        uses = any(drafter == "model" and drafted for _, drafter, drafted, _ in trace)
+        return sum(costs.round(i, d, n) for i, d, n, _ in trace), t.draft_prefill if uses else 0.0
 
     report: dict = {"context": context, "plain_step_ms": step * 1e3, "prompts": len(texts),
                     "tokens": sum(len(t.output) for t in texts), "verify_x_step": {n: v / step for n, v in verify.items()},
@@ -202,31 +229,34 @@ def main() -> None:
         rounds = [r for t in texts for r in t.rounds[name]]
         entry: dict = {"mean_accepted_length": mean_accepted_length(rounds),
                        "acceptance_per_depth": acceptance_per_depth(rounds, min(6, args.k_max))}
-        entry["oracle"] = row(name, "oracle", speedups(
-            texts, sum(oracle_seconds(t, [name], costs, args.k_max) for t in texts), model))
-        fixed = {k: sum(decode_seconds(t, lambda i, k=k: (name, k), costs) for t in texts)
-                 for k in range(1, args.k_max + 1)}
-        best_k = min(fixed, key=fixed.get)
-        entry["fixed"] = {"k": best_k, **row(name, f"fixed k = {best_k}", speedups(texts, fixed[best_k], model))}
+        entry["oracle"] = row(name, "oracle", speedups(texts, [oracle(t, [name]) for t in texts]))
+        fixed = {k: speedups(texts, [policy(t, lambda i, k=k: (name, k)) for t in texts]) for k in range(1, args.k_max + 1)}
+        best_k = max(fixed, key=lambda k: fixed[k]["e2e_speedup"])
+        entry["fixed"] = {"k": best_k, **row(name, f"fixed k = {best_k}", fixed[best_k])}
         table = per_source_table(texts, name, costs, args.k_max)
-        seconds = sum(decode_seconds(t, per_source_policy(t, name, table), costs) for t in texts)
         entry["per_source"] = {"k": table, **row(name, "per source " + ", ".join(f"{s}: {k}" for s, k in table.items()),
-                                                 speedups(texts, seconds, model))}
+                                                 speedups(texts, [policy(t, per_source_policy(t, name, table))
+                                                                  for t in texts]))}
         if model:
             for t in texts:
                 t.rounds["perfect"] = perfect_rounds(t, args.k_max)
             perfect = Costs(verify, {"perfect": costs.steps["model"]}).envelope()
-            seconds = sum(oracle_seconds(t, ["perfect"], perfect, args.k_max) for t in texts)
-            entry["ceiling"] = row(name, "ceiling: every draft accepted", speedups(texts, seconds, True))
-            entry["ceiling_no_draft_prefill"] = row(name, "ceiling, no draft prefill", speedups(texts, seconds, False))
+            entry["ceiling"] = row(name, "ceiling: every draft accepted", speedups(
+                texts, [oracle(t, ["perfect"], perfect) for t in texts]))
+            entry["ceiling_no_draft_prefill"] = row(name, "ceiling, no draft prefill", speedups(
+                texts, [oracle(t, ["perfect"], perfect, model_prefill=False) for t in texts]))
         else:
-            policy = CostAwareK(k_max=args.k_max)
-            seconds = sum(policy_seconds(t, name, policy, costs) for t in texts)
-            entry["cost_aware_k"] = row(name, "cost-aware k, replayed", speedups(texts, seconds, False))
+            replayed = CostAwareK(k_max=args.k_max)
+            entry["cost_aware_k"] = row(name, "cost-aware k, replayed", speedups(
+                texts, [(policy_seconds(t, name, replayed, costs), 0.0) for t in texts]))
         report["drafters"][name] = entry
     if len(drafters) > 1:
-        report["oracle_all"] = row("+".join(drafters), "oracle, the best drafter each round", speedups(
-            texts, sum(oracle_seconds(t, drafters, costs, args.k_max) for t in texts), use_model))
+        report["oracle_all"] = row("+".join(drafters), "oracle, the best drafter each round",
+                                   speedups(texts, [oracle(t, drafters) for t in texts]))
+        if use_model:
+            report["oracle_all_no_draft_prefill"] = row(
+                "+".join(drafters), "the same, the draft's prefill free",
+                speedups(texts, [oracle(t, drafters, model_prefill=False) for t in texts]))
 
     print("\n| drafter | mean accepted length (k_max drafts) | acceptance per depth |")
     print("|---|---|---|")
@@ -240,10 +270,9 @@ def main() -> None:
         report["per_category"] = {}
         for cat in categories:
             sub = [t for p, t in zip(prompts, texts) if p.category == cat]
-            cells = {name: speedups(sub, sum(oracle_seconds(t, [name], costs, args.k_max) for t in sub), name == "model")
-                     for name in drafters}
+            cells = {name: speedups(sub, [oracle(t, [name]) for t in sub]) for name in drafters}
             if len(drafters) > 1:
-                cells["all"] = speedups(sub, sum(oracle_seconds(t, drafters, costs, args.k_max) for t in sub), use_model)
+                cells["all"] = speedups(sub, [oracle(t, drafters) for t in sub])
             report["per_category"][cat] = cells
             print(f"  {cat}: " + ", ".join(f"{c['e2e_speedup']:.2f}x ({c['decode_speedup']:.2f}x)" for c in cells.values()))
     if args.json_out:

@@ -25,7 +25,8 @@ from verispec.bench.bounds import (
     simulate,
 )
 from verispec.adaptive import CostAwareK
-from verispec.policy import FixedK
+from verispec.policy import FixedK, Plan
+from verispec.proposers.base import Draft
 from verispec.proposers import NgramProposer, SuffixProposer
 from verispec.sampling import SamplingParams
 
@@ -173,6 +174,46 @@ def test_a_replayed_policy_is_priced_like_its_rounds(pair):
     for t in texts:
         assert policy_seconds(t, "ngram", policy, costs) >= oracle_seconds(t, ["ngram"], costs, K_MAX) - 1e-12
     assert policy.for_source("ngram").costs.target.t_verify  # it learnt the priced passes
+
+
+class Reactive:
+    """A deterministic policy whose every choice depends on the reports before it: k grows with the last
+    round's acceptance, and every fourth round verifies a free guess of its own. Replayed and real, it sees
+    the same reports only if policy_seconds hands it the engine's (sources, own drafts, counts included)."""
+
+    def __init__(self) -> None:
+        self.log, self.k, self.rounds = [], 1, 0
+
+    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
+        self.rounds = 0
+
+    def choose(self, view):
+        self.rounds += 1
+        if self.rounds % 4 == 0 and view.limit > 0:
+            return Plan(1, Draft(torch.tensor([view.seq.ids[-2]]), None, "guess"))
+        return Plan(min(self.k, view.limit))
+
+    def observe(self, report) -> None:
+        self.log.append((report.k, report.source, report.drafted, report.accepted, report.own_draft))
+        if not report.own_draft:
+            self.k = 1 + report.accepted if report.drafted else max(1, self.k - 1)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_a_replayed_policy_sees_the_engines_reports(pair, drafter):
+    target, _ = pair
+    texts = plain_texts(target, 40)
+    engine = make_engine(target, k=0, drafter="ngram")
+    engine.proposer = SuffixProposer() if drafter == "suffix" else NgramProposer(max_ngram=3, min_ngram=1)
+    real = engine.k_policy = Reactive()
+    for p in PROMPTS:
+        engine.generate(p, SamplingParams(), max_new_tokens=40, num_draft_tokens="auto")
+    simulated_rounds(texts, None, drafter)
+    replayed = Reactive()
+    for t in texts:
+        policy_seconds(t, drafter, replayed, Costs({n: 1.0 for n in range(1, K_MAX + 2)}))
+    assert replayed.log == real.log
+    assert any(own for *_, own in real.log) and any(a for _, _, _, a, own in real.log if not own)
 
 
 def test_the_ceiling_is_every_draft_accepted_at_the_cheapest_pass():

@@ -25,7 +25,9 @@ first position, so it feeds only its k drafts (verify[k]; nothing when k = 0).
   at the measured costs instead of timed, so that its choices are judged without a machine's noise.
 
 A round that drafts after a spell of rounds without the draft model is charged no catch-up for it: an
-optimistic price, as a bound's must be.
+optimistic price, as a bound's must be. A round whose drafts run past the end of text counts its accepted drafts
+up to that end (the engine's verifier may count agreeing drafts beyond it before the stop cuts them; the round's
+tokens and cost are the same either way).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def free_rounds(proposer, text: Text, k_max: int) -> list[Round]:
     for i in range(len(out)):
         source, truth, counts = proposer.source(seq), out[i:], []
         for k in range(1, k_max + 1):
-            draft = proposer.propose(seq, k).tokens.tolist() if source != "none" else []
+            draft = proposer.propose(seq, k).tokens.tolist()  # the engine asks whatever the source
             counts.append((len(draft), common_prefix_length(draft, truth)))
         rows.append((source, counts))
         seq.extend([out[i]], torch.tensor([out[i]]))
@@ -220,7 +222,8 @@ def policy_seconds(text: Text, drafter: str, policy: KPolicy, costs: Costs) -> f
             drafted, accepted = counts[k - 1] if k > 0 else (0, 0)
         fed = drafted + (i > 0)
         seconds = costs.round(i, drafter, drafted)
-        policy.observe(RoundReport(plan.k, source if drafted else "", drafted, accepted, i == 0, plan.draft is not None,
+        label = plan.draft.source if plan.draft is not None else source
+        policy.observe(RoundReport(plan.k, label if drafted else "", drafted, accepted, i == 0, plan.draft is not None,
                                    0, 0.0, costs.verify[fed] if fed else 0.0, 0.0, 0, seconds))
         committed = out[i : i + accepted + 1]
         seq.extend(committed, torch.tensor(committed))
