@@ -47,6 +47,7 @@ from verispec.bench.bounds import (
     per_source_table,
     policy_seconds,
     simulate,
+    trace_seconds,
 )
 from verispec.adaptive import CostAwareK
 from verispec.bench.loader import answer_history, load_prompts, select
@@ -207,7 +208,7 @@ def main() -> None:
         """A policy's (decode, draft prefill): the prefill is paid where the policy drafts with the model."""
         trace = simulate(t, choose)
         uses = any(drafter == "model" and drafted for _, drafter, drafted, _ in trace)
-        return sum(costs.round(i, d, n) for i, d, n, _ in trace), t.draft_prefill if uses else 0.0
+        return trace_seconds(trace, costs), t.draft_prefill if uses else 0.0
 
     report: dict = {"context": context, "plain_step_ms": step * 1e3, "prompts": len(texts),
                     "tokens": sum(len(t.output) for t in texts), "verify_x_step": {n: v / step for n, v in verify.items()},

@@ -26,8 +26,8 @@ from verispec.bench.bounds import (
 )
 from verispec.adaptive import CostAwareK
 from verispec.policy import FixedK, Plan
-from verispec.proposers.base import Draft
 from verispec.proposers import NgramProposer, SuffixProposer
+from verispec.proposers.base import Draft
 from verispec.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 13, 5, 9, 13, 21, 5, 9], [40, 41, 42, 43, 40, 41, 42, 7, 8, 40], [3, 3, 17, 29, 3, 3, 17]]

@@ -144,9 +144,14 @@ def simulate(text: Text, policy: Policy) -> list[tuple[int, str, int, int]]:
     return trace
 
 
+def trace_seconds(trace: list[tuple[int, str, int, int]], costs: Costs) -> float:
+    """Seconds of the rounds of a `simulate` trace."""
+    return sum(costs.round(i, drafter, drafted) for i, drafter, drafted, _ in trace)
+
+
 def decode_seconds(text: Text, policy: Policy, costs: Costs) -> float:
     """Seconds to decode text.output after the prefill, the rounds chosen by `policy`."""
-    return sum(costs.round(i, drafter, drafted) for i, drafter, drafted, _ in simulate(text, policy))
+    return trace_seconds(simulate(text, policy), costs)
 
 
 def oracle_seconds(text: Text, drafters: Iterable[str], costs: Costs, k_max: int) -> float:
