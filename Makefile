@@ -14,27 +14,47 @@ setup: install models
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
 
-# The llama.cpp backend (the [llamacpp] extra), compiled for this CPU (-march=native) and built without AMX:
-# llama.cpp's AMX kernels die with SIGILL (tilezero) on VMs whose CPUs list AMX. The built wheel is kept
-# under $(VERISPEC_HOME)/wheels, keyed by version, flags, Python and the CPU's feature flags, so that a
-# fresh environment on the same machine installs it in seconds instead of compiling for ~7 minutes.
+# The llama.cpp backend (the [llamacpp] extra): llama-cpp-python's source with verispec's kernel patch
+# (native/llama.cpp-kernels.patch: multi-column kernels that make a verification pass over a few tokens cost
+# little more than one token, and batch-invariant switches), compiled for this CPU (-march=native). AMX is
+# left out unless LLAMA_AMX=1 and native/amx_probe.c runs AMX tiles here (its one-line reason is printed
+# otherwise). The built wheel is kept under $(VERISPEC_HOME)/wheels, keyed by the version, the patch, the
+# flags, Python and the CPU's feature flags, so that a fresh environment on the same machine installs it in
+# seconds instead of compiling for ~7 minutes; the build reports its key (VERISPEC_BUILD in llama.cpp's
+# system info), so an installed llama-cpp-python built otherwise is replaced.
 LLAMA_CPP_VERSION = 0.3.36
+LLAMA_PATCH = native/llama.cpp-kernels.patch
+LLAMA_AMX ?= 0
 NO_AMX = -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_KEY := $(shell { $(PYTHON) -c 'import sys; print(sys.implementation.cache_tag)'; echo '$(NO_AMX)'; \
-               grep -m1 '^flags' /proc/cpuinfo; } 2>/dev/null | md5sum | cut -c1-12)
+LLAMA_BUILD_DIR := $(shell mktemp -u /tmp/verispec-llama.XXXXXX)
+LLAMA_AMX_FLAGS := $(shell if [ "$(LLAMA_AMX)" = 1 ]; then d=$$(mktemp -d); \
+                     if ! cc -O1 -mamx-tile -mamx-int8 native/amx_probe.c -o $$d/probe 2>/dev/null; then \
+                       echo "verispec: AMX left out: the compiler cannot build AMX code" >&2; echo '$(NO_AMX)'; \
+                     elif r=$$($$d/probe); then echo AMX; \
+                     else echo "verispec: AMX left out: $$r" >&2; echo '$(NO_AMX)'; fi; rm -rf "$$d"; \
+                     else echo '$(NO_AMX)'; fi)
+LLAMA_KEY := $(shell { $(PYTHON) -c 'import sys; print(sys.implementation.cache_tag)'; echo '$(LLAMA_AMX_FLAGS)'; \
+               cat $(LLAMA_PATCH); grep -m1 '^flags' /proc/cpuinfo; } 2>/dev/null | md5sum | cut -c1-12)
+LLAMA_CFLAGS = $(filter-out AMX,$(LLAMA_AMX_FLAGS)) -DVERISPEC_BUILD_KEY=$(LLAMA_KEY)
 LLAMA_WHEELS = $(VERISPEC_HOME)/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_KEY)
 install-llamacpp:
-	@if $(PYTHON) -c "import llama_cpp" 2>/dev/null; then echo "llama-cpp-python already installed"; exit 0; fi; \
+	@if $(PYTHON) -c "import llama_cpp, sys; sys.exit(b'VERISPEC_BUILD = $(LLAMA_KEY) ' not in \
+	    llama_cpp.llama_print_system_info())" 2>/dev/null; then echo "llama-cpp-python already installed"; exit 0; fi; \
 	set -e; \
 	if ! ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
-	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) for this CPU (~7 min)"; \
-	  rm -rf $(LLAMA_WHEELS).partial; \
-	  CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
-	    $(PYTHON) -m pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial \
+	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) with verispec's kernels for this CPU (~7 min)"; \
+	  rm -rf $(LLAMA_WHEELS).partial $(LLAMA_BUILD_DIR); mkdir -p $(LLAMA_BUILD_DIR); \
+	  trap 'rm -rf $(LLAMA_BUILD_DIR)' EXIT; \
+	  $(PYTHON) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_BUILD_DIR) \
 	    'llama-cpp-python==$(LLAMA_CPP_VERSION)'; \
+	  tar xzf $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_BUILD_DIR); \
+	  patch -s -p1 -d $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp < $(LLAMA_PATCH); \
+	  CMAKE_ARGS="-DCMAKE_C_FLAGS='$(LLAMA_CFLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMA_CFLAGS)'" \
+	    $(PYTHON) -m pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial \
+	    $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION); \
 	  mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS); \
 	fi; \
-	$(PYTHON) -m pip install -q $(LLAMA_WHEELS)/llama_cpp_python-*.whl
+	$(PYTHON) -m pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl
 
 models:
 	$(PYTHON) -m verispec.cli models pull

@@ -103,7 +103,9 @@ class TargetSpec:
     when available), cpu, cuda or cuda:N. `dtype`: bf16, fp16 or fp32 for a model verispec loads (None:
     the fastest the device computes in, see choose_dtype). `ctx_size`: llama.cpp's context in tokens (None:
     the model's trained context, bounded by memory, see verispec.backends.llamacpp.context_size);
-    transformers models ignore it.
+    transformers models ignore it. `exact_kernels`: llama.cpp computes every pass of up to EXACT_WIDTH tokens
+    with batch-invariant kernels, so a verification pass gives bitwise the logits plain decoding would
+    (process-wide; needs verispec's llama.cpp build, see verispec.backends.llamacpp.use_exact_kernels).
     """
 
     model: Any
@@ -112,6 +114,7 @@ class TargetSpec:
     dtype: str | None = None
     ctx_size: int | None = None
     tokenizer: Any = field(default=None, compare=False)
+    exact_kernels: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", _check_reference(self.model, "target.model", optional=False))
@@ -121,6 +124,8 @@ class TargetSpec:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise SpecError(f"unknown dtype '{self.dtype}' (use {', '.join(DTYPES)})", "target.dtype")
         _check_ctx_size(self.ctx_size, "target.ctx_size")
+        if not isinstance(self.exact_kernels, bool):
+            raise SpecError(f"exact_kernels is True or False, got {self.exact_kernels!r}", "target.exact_kernels")
 
     @property
     def label(self) -> str:
@@ -191,7 +196,7 @@ def check_k(k: int | str) -> int | str:
 @dataclass(frozen=True)
 class LoadRequest:
     """What a backend loader is asked for. quant, head_ids (the reduced vocabulary's token ids) and forward
-    are a transformers draft's options; ctx_size is llama.cpp's."""
+    are a transformers draft's options; ctx_size and exact_kernels are llama.cpp's."""
 
     model: Any
     device: torch.device
@@ -200,6 +205,7 @@ class LoadRequest:
     quant: str = "none"
     head_ids: torch.Tensor | None = None
     forward: str = "transformers"
+    exact_kernels: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,7 +246,8 @@ def _load_hf(request: LoadRequest) -> tuple[Model, list[int]]:
 def _load_llamacpp(request: LoadRequest) -> tuple[Model, list[int]]:
     from verispec.backends.llamacpp import LlamaCppModel
 
-    model = LlamaCppModel(resolve_gguf(request.model), request.device, n_ctx=request.ctx_size)
+    model = LlamaCppModel(resolve_gguf(request.model), request.device, n_ctx=request.ctx_size,
+                          exact_kernels=request.exact_kernels)
     return model, [model.llm.token_eos(), *configured_eos_ids(request.model)]  # build adds the tokenizer's EOG ids
 
 
@@ -592,10 +599,11 @@ class ModelStore:
     def target(self, spec: TargetSpec, dtype: torch.dtype) -> tuple[Model, list[int]]:
         """(Model, EOS ids) for a resolved target spec, warmed up."""
         device = torch.device(spec.device)
-        key = ("target", _model_key(spec.model), spec.backend, spec.device, dtype, spec.ctx_size)
+        key = ("target", _model_key(spec.model), spec.backend, spec.device, dtype, spec.ctx_size, spec.exact_kernels)
 
         def make() -> tuple[Model, list[int]]:
-            model, eos = BACKENDS[spec.backend].load(LoadRequest(spec.model, device, dtype, spec.ctx_size))
+            request = LoadRequest(spec.model, device, dtype, spec.ctx_size, exact_kernels=spec.exact_kernels)
+            model, eos = BACKENDS[spec.backend].load(request)
             warm_up(model)
             return model, eos
 
@@ -663,6 +671,7 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         k = defaults.k
         name = BACKEND_NAMES.get(target.backend, target.backend)
         reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
+    _check_exact_kernels(target, k)
     tree = draft is not None and draft.drafter == "tree"
     if tree and "llamacpp" in (target.backend, draft_backend):
         raise SpecError("token trees run on the transformers backend (llama.cpp verifies chains only here)",
@@ -694,8 +703,27 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     if k is None:
         k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
     generator = SpeculativeGenerator(target_model, proposer, eos, k, k_max)
+    kernels = None
+    if "llamacpp" in (target.backend, draft_backend):
+        from verispec.backends.llamacpp import kernels as llama_kernels
+
+        kernels = llama_kernels().describe()
     return Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
-                    times, reason)
+                    times, reason, kernels)
+
+
+def _check_exact_kernels(target: TargetSpec, k: int | str | None) -> None:
+    """Exact kernels are llama.cpp's, and cover verification passes of up to EXACT_WIDTH tokens."""
+    if not target.exact_kernels:
+        return
+    if target.backend != "llamacpp":
+        raise SpecError("exact kernels are llama.cpp's (on transformers, --dtype fp32 verifies exactly)",
+                        "target.exact_kernels", (("target.backend", "llamacpp"),))
+    from verispec.backends.llamacpp import EXACT_WIDTH
+
+    if isinstance(k, int) and k + 1 > EXACT_WIDTH:
+        raise SpecError(f"exact kernels cover passes of at most {EXACT_WIDTH} tokens: k must be at most "
+                        f"{EXACT_WIDTH - 1}, got {k}", "k")
 
 
 def _tree_models(target: Model, draft: Model) -> tuple[Model, Model]:
@@ -767,7 +795,8 @@ def batch_generator(pipe: Pipeline, max_batch: int) -> BatchGenerator:
 def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafter: str | None = "auto",
          k: int | str | None = None, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          draft_backend: str = "auto", draft_quant: str = "auto", draft_vocab: int = 0, draft_forward: str = "auto",
-         ctx_size: int | None = None, pull_missing: bool = False, store: ModelStore | None = None) -> Pipeline:
+         ctx_size: int | None = None, exact_kernels: bool = False, pull_missing: bool = False,
+         store: ModelStore | None = None) -> Pipeline:
     """A ready pipeline: `pipe.generate(prompt)`, `pipe.stream(prompt)`.
 
     `target` / `draft`: a known name, a Hugging Face directory, a .gguf file, a hub id, or a loaded
@@ -782,7 +811,7 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
     `dtype` None: see choose_dtype). `pipe.reason` says why the backend (and a dtype not asked for) was chosen."""
     if not is_loaded(target):
         target, draft = default_refs(target, draft, drafter, pull_missing, backend, device)
-    target_spec = TargetSpec(target, backend, device, dtype, ctx_size, tokenizer)
+    target_spec = TargetSpec(target, backend, device, dtype, ctx_size, tokenizer, exact_kernels)
     if drafter is None:
         if draft is not None:
             raise SpecError("plain decoding (no drafter) takes no draft model", "draft.model")

@@ -73,6 +73,10 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--ctx-size", type=int, default=None, metavar="N",
                    help="llama.cpp context per model, in tokens (default: the model's trained context, capped so "
                         "that its KV cache takes at most a quarter of the available memory)")
+    p.add_argument("--exact-kernels", action="store_true",
+                   help="llama.cpp: batch-invariant kernels, so that a verification pass gives bitwise the logits "
+                        "of plain decoding and greedy output is token-identical to it (needs `make "
+                        "install-llamacpp`'s build)")
     if speculation_flags:
         p.add_argument("--drafter", default=None, choices=DRAFTER_NAMES,
                        help="model: the draft LM; ngram: prompt lookup (no draft model); suffix: suffix-tree lookup "
@@ -191,7 +195,7 @@ def _sampling(args):
 
 _SPEC_FLAGS = {
     "target.model": "--target", "target.backend": "--backend", "target.device": "--device", "target.dtype": "--dtype",
-    "target.ctx_size": "--ctx-size", "draft.model": "--draft", "draft.drafter": "--drafter",
+    "target.ctx_size": "--ctx-size", "target.exact_kernels": "--exact-kernels", "draft.model": "--draft", "draft.drafter": "--drafter",
     "draft.backend": "--draft-backend", "draft.quant": "--draft-quant", "draft.vocab": "--draft-vocab",
     "draft.forward": "--draft-forward", "draft.ctx_size": "--ctx-size", "draft": "--no-speculation",
     "k": "--num-draft-tokens", "pull": "--pull",
@@ -220,7 +224,7 @@ def _specs(args, drafter: str | None):
 
     target, draft = default_refs(args.target, args.draft, drafter, args.pull, args.backend, args.device)
     target_spec = TargetSpec(target, args.backend, args.device, None if args.dtype == "auto" else args.dtype,
-                             args.ctx_size)
+                             args.ctx_size, exact_kernels=args.exact_kernels)
     if drafter is None:
         return target_spec, None
     return target_spec, DraftSpec(drafter, None if drafter in FREE_DRAFTERS else draft, args.draft_backend,
@@ -319,6 +323,7 @@ def cmd_generate(args) -> int:
             "backend": pipe.backend,
             "dtype": pipe.dtype,
             "reason": pipe.reason,
+            "kernels": pipe.kernels,
             "draft_backend": pipe.draft_backend,
             "draft_quant": pipe.draft_quant,
             "draft_forward": pipe.draft_forward,

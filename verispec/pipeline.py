@@ -132,7 +132,8 @@ class Pipeline:
     `target` and `draft` are the resolved specs it was built from (`draft` None: plain decoding);
     `draft_model` the draft LM, if any; `draft_forward` how a transformers draft runs (lean, transformers;
     none otherwise); `load_seconds` what loading took, per part; `reason` why the target runs on its backend
-    (and, where they were defaults, where the drafter and k came from), one line."""
+    (and, where they were defaults, where the drafter and k came from), one line; `kernels` which llama.cpp
+    kernels verify and why, one line (None: no model runs on llama.cpp)."""
 
     generator: SpeculativeGenerator
     tokenizer: Any
@@ -143,6 +144,7 @@ class Pipeline:
     draft_forward: str = "none"
     load_seconds: Mapping[str, float] = field(default_factory=dict)
     reason: str = ""
+    kernels: str | None = None
 
     # -- what was built ---------------------------------------------------------------------------
 
@@ -183,9 +185,10 @@ class Pipeline:
         return self.generator.num_draft_tokens
 
     def setup(self) -> dict[str, object]:
-        """What runs and why, for front ends to show: backend, drafter, k, dtype and the reason."""
+        """What runs and why, for front ends to show: backend, drafter, k, dtype, the reason and the llama.cpp
+        kernels."""
         return {"backend": self.backend, "drafter": self.drafter, "k": self.k, "dtype": self.dtype,
-                "reason": self.reason}
+                "reason": self.reason, "kernels": self.kernels}
 
     @property
     def draft_quant(self) -> str:

@@ -84,9 +84,11 @@ def _totals(bot: ChatBot) -> str:
 
 
 def _setup(bot: ChatBot) -> str:
-    """What runs and why: the target's backend, the drafter, k, and the reason for the backend."""
+    """What runs and why: the target's backend, the drafter, k, the reason for the backend and the llama.cpp
+    kernels."""
     s = bot.pipeline.setup()
-    return f"backend {s['backend']}, drafter {s['drafter']}, k={s['k']} ({s['reason']})"
+    kernels = f"; {s['kernels']}" if s["kernels"] else ""
+    return f"backend {s['backend']}, drafter {s['drafter']}, k={s['k']} ({s['reason']}{kernels})"
 
 
 def _answer(bot: ChatBot, message: str, out: TokenWriter, info: TextIO) -> None:

@@ -5,6 +5,10 @@ flag on every new position (or only the last), decodes it and copies those rows 
 removes the KV cells past the kept length (`llama_memory_seq_rm`), which is exact: llama.cpp's cache is
 per-position and nothing else carries state. llama.cpp works on host memory, so token ids come to the
 host for every forward and logits go to `device` (the pipeline's device) once per call.
+
+`make install-llamacpp` builds llama-cpp-python with verispec's kernel patch (native/llama.cpp-kernels.patch):
+multi-column kernels for passes over a few tokens, and a batch-invariant mode in which a pass over n <= EXACT_WIDTH
+tokens gives bitwise the logits of n one-token passes. `kernels()` says which this process runs.
 """
 
 from __future__ import annotations
@@ -13,12 +17,17 @@ import ctypes
 import os
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from verispec.models import ModelError
 
+EXACT_WIDTH = 16  # the widest pass the batch-invariant kernels cover: k + 1 tokens, so k <= 15
+ENV_EXACT = "VERISPEC_GGML_EXACT"  # the patch's process-wide switches, read when llama.cpp first computes
+ENV_MULTICOL = "VERISPEC_GGML_MULTICOL"
+ENV_SPLIT_KV = "VERISPEC_GGML_FA_SPLIT_KV"
 KV_MEMORY_SHARE = 0.25  # the most of the available memory one model's KV cache may take
 CONTEXT_STEP = 256  # a context chosen from memory is a multiple of this (and at least this)
 KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV cache type is f16
@@ -34,6 +43,68 @@ def import_llama_cpp():
     return llama_cpp
 
 
+# -- the kernels ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The llama.cpp kernels of this process. `build`: verispec's build key (None: llama-cpp-python was not built
+    by `make install-llamacpp`); `multicol`: verispec's multi-column kernels are compiled in (x86 with AVX512-VNNI);
+    `amx`: llama.cpp's AMX kernels are; `exact`: the widest pass computed by batch-invariant kernels (0: none)."""
+
+    build: str | None
+    multicol: bool
+    amx: bool
+    exact: int
+
+    def describe(self) -> str:
+        """One line: which kernels verify a pass over a few tokens, and why."""
+        if self.build is None:
+            line = ("stock llama-cpp-python kernels (built without verispec's patch: `make install-llamacpp` builds "
+                    "the multi-column kernels that make verification cheaper)")
+        elif self.multicol:
+            line = "verispec's multi-column kernels (AVX512-VNNI): a pass over up to 16 tokens reads each weight once"
+        else:
+            line = "stock kernels: this CPU lacks AVX512-VNNI, which verispec's multi-column kernels need"
+        if self.amx:
+            line += "; llama.cpp's AMX kernels"
+        if self.exact:
+            line += f"; batch-invariant up to {self.exact} tokens (exact kernels)"
+        return "llama.cpp: " + line
+
+
+def _features() -> dict[str, str]:
+    """llama.cpp's CPU features list (`llama_print_system_info`): name -> value."""
+    info = import_llama_cpp().llama_print_system_info().decode(errors="replace")
+    pairs = (item.split("=", 1) for item in info.replace("\n", "|").split("|") if "=" in item)
+    return {name.strip().split(":")[-1].strip(): value.strip() for name, value in pairs}
+
+
+def kernels() -> Kernels:
+    """The kernels llama.cpp runs in this process (see Kernels)."""
+    features = _features()
+    build = features.get("VERISPEC_BUILD")
+    exact = int(os.environ.get(ENV_EXACT) or 0) if build is not None else 0
+    return Kernels(build, features.get("VERISPEC_MULTICOL") == "1", features.get("AMX_INT8") == "1", exact)
+
+
+_opened = False  # a llama.cpp model was opened in this process: it may have computed, its switches read
+
+
+def use_exact_kernels() -> None:
+    """Make every llama.cpp pass of up to EXACT_WIDTH tokens in this process batch-invariant (an n-token pass
+    gives bitwise the logits of n one-token passes). The switch is process-wide and read once, when llama.cpp
+    first computes, so it must come before this process opens any llama.cpp model."""
+    if kernels().build is None:
+        raise ModelError("exact kernels need llama-cpp-python built with verispec's patch (`make install-llamacpp`)")
+    if os.environ.get(ENV_EXACT) == str(EXACT_WIDTH):
+        return
+    if _opened:
+        raise ModelError("exact kernels must be chosen before the first llama.cpp model of this process is opened "
+                         "(llama.cpp reads its kernel switches once)")
+    os.environ[ENV_EXACT] = str(EXACT_WIDTH)
+
+
 def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -46,8 +117,10 @@ def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch:
     decoding; with it, small batches reproduce single-token evaluation bitwise on SmolLM2, and on the Qwen
     GGUFs the repacked Q4_K kernels still round multi-row batches slightly differently (tests/test_llamacpp.py
     checks the identity)."""
+    global _opened
     llama_cpp = import_llama_cpp()
     threads = n_threads or default_threads()
+    _opened = True
     try:
         return llama_cpp.Llama(
             model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
@@ -171,16 +244,22 @@ def context_size(meta: Mapping[str, object], available: int | None, requested: i
 
 class LlamaCppModel:
     """The Model protocol over a llama.cpp context. `device` is where logits are returned; `n_ctx` the
-    context in tokens (None: context_size's rule, from the file's metadata and the available memory)."""
+    context in tokens (None: context_size's rule, from the file's metadata and the available memory);
+    `exact_kernels`: see use_exact_kernels; `flash_attn` False: llama.cpp's attention without flash attention,
+    whose one-token and multi-token passes round differently (for measurements)."""
 
     def __init__(self, path: str, device: torch.device = torch.device("cpu"), n_ctx: int | None = None,
-                 n_threads: int | None = None, n_batch: int = 512) -> None:
+                 n_threads: int | None = None, n_batch: int = 512, exact_kernels: bool = False,
+                 flash_attn: bool = True) -> None:
         self.path = path
         llama_cpp = import_llama_cpp()
         self._lib = llama_cpp
+        if exact_kernels:
+            use_exact_kernels()
         if n_ctx is None:
             n_ctx = context_size(gguf_metadata(path), available_memory())
-        self.llm = open_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, gpu=device.type == "cuda")
+        self.llm = open_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, gpu=device.type == "cuda",
+                              flash_attn=flash_attn)
         self.device = device
         self.vocab_size = int(self.llm.n_vocab())
         self.max_length = int(self.llm.n_ctx())

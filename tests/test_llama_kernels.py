@@ -1,0 +1,198 @@
+"""verispec's llama.cpp kernels (native/llama.cpp-kernels.patch): what a process reports about them, the exact
+(batch-invariant) mode's rules, and, on the real GGUFs, that a pass over n tokens gives bitwise the logits of n
+one-token passes: with exact kernels always, and with the multi-column kernels alone where the context is short
+enough for one-token attention not to split across threads. llama.cpp reads its kernel switches once per
+process, so the passes run in child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import verispec.backends.llamacpp as llamacpp
+from verispec.build import SpecError, TargetSpec, _check_exact_kernels
+from verispec.models import DEFAULT_TARGET, ModelError
+
+VERISPEC_BUILD = ("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | VERISPEC_BUILD = 0123abcd | "
+                  "VERISPEC_MULTICOL = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
+AVX2_BUILD = "CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 | VERISPEC_BUILD = 0123abcd | LLAMAFILE = 1 | REPACK = 1 | "
+STOCK_BUILD = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | "
+
+
+class _FakeLlamaCpp:
+    def __init__(self, info: str) -> None:
+        self.info = info
+
+    def llama_print_system_info(self) -> bytes:
+        return self.info.encode()
+
+
+@pytest.fixture
+def system_info(monkeypatch):
+    """Set the features list llama.cpp reports, and start from a process that has opened no model and has
+    no exact-kernel switch."""
+
+    def use(info: str) -> None:
+        monkeypatch.setattr(llamacpp, "import_llama_cpp", lambda: _FakeLlamaCpp(info))
+
+    monkeypatch.setattr(llamacpp, "_opened", False)
+    monkeypatch.delenv(llamacpp.ENV_EXACT, raising=False)
+    return use
+
+
+def test_kernels_read_from_the_features_list(system_info):
+    system_info(VERISPEC_BUILD)
+    assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol=True, amx=False, exact=0)
+    system_info(AVX2_BUILD)
+    assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol=False, amx=False, exact=0)
+    system_info(STOCK_BUILD)
+    assert llamacpp.kernels() == llamacpp.Kernels(None, multicol=False, amx=True, exact=0)
+
+
+def test_each_kernel_state_says_why_in_one_line(system_info):
+    system_info(VERISPEC_BUILD)
+    assert "multi-column kernels (AVX512-VNNI)" in llamacpp.kernels().describe()
+    system_info(AVX2_BUILD)
+    assert "lacks AVX512-VNNI" in llamacpp.kernels().describe()
+    system_info(STOCK_BUILD)
+    line = llamacpp.kernels().describe()
+    assert "make install-llamacpp" in line and "AMX" in line
+    for line in (llamacpp.Kernels("k", True, False, 16).describe(), llamacpp.Kernels(None, False, False, 0).describe()):
+        assert line.startswith("llama.cpp: ") and "\n" not in line
+    assert "batch-invariant up to 16 tokens" in llamacpp.Kernels("k", True, False, 16).describe()
+
+
+def test_exact_kernels_switch_the_process_before_any_model_opens(system_info):
+    system_info(VERISPEC_BUILD)
+    llamacpp.use_exact_kernels()
+    assert os.environ[llamacpp.ENV_EXACT] == str(llamacpp.EXACT_WIDTH)
+    assert llamacpp.kernels().exact == llamacpp.EXACT_WIDTH
+    llamacpp._opened = True
+    llamacpp.use_exact_kernels()  # already on: a second model asking for them is fine
+
+
+def test_exact_kernels_refused_once_a_model_is_open(system_info):
+    system_info(VERISPEC_BUILD)
+    llamacpp._opened = True
+    with pytest.raises(ModelError, match="before the first llama.cpp model"):
+        llamacpp.use_exact_kernels()
+    assert llamacpp.ENV_EXACT not in os.environ
+
+
+def test_exact_kernels_need_verispecs_build(system_info):
+    system_info(STOCK_BUILD)
+    with pytest.raises(ModelError, match="make install-llamacpp"):
+        llamacpp.use_exact_kernels()
+
+
+def test_exact_kernels_are_llama_cpps_and_cover_k_up_to_15():
+    hf = TargetSpec("m", backend="hf", exact_kernels=True)
+    with pytest.raises(SpecError) as err:
+        _check_exact_kernels(hf, 4)
+    assert err.value.field == "target.exact_kernels" and ("target.backend", "llamacpp") in err.value.fixes
+    llama = TargetSpec("m", backend="llamacpp", exact_kernels=True)
+    for k in (0, llamacpp.EXACT_WIDTH - 1, "auto", None):
+        _check_exact_kernels(llama, k)
+    with pytest.raises(SpecError, match=f"at most {llamacpp.EXACT_WIDTH - 1}") as err:
+        _check_exact_kernels(llama, llamacpp.EXACT_WIDTH)
+    assert err.value.field == "k"
+    _check_exact_kernels(TargetSpec("m", backend="hf"), 99)  # not asked for: nothing to check
+    with pytest.raises(SpecError, match="True or False"):
+        TargetSpec("m", exact_kernels="yes")
+
+
+# -- on the real GGUFs ---------------------------------------------------------------------------------
+
+# Prefill `context` tokens, then for each width n: a pass over n tokens, and n one-token passes from the same
+# cache; report per width whether the logits are bitwise equal and how far apart they are.
+_PASSES = textwrap.dedent("""
+    import json, sys, torch
+    from verispec.backends.llamacpp import LlamaCppModel, kernels, use_exact_kernels
+    from verispec.loading import resolve_gguf
+    name, context, exact = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "exact"
+    if exact:
+        use_exact_kernels()
+    model = LlamaCppModel(resolve_gguf(name), n_ctx=1024)
+    model.forward(torch.arange(1000, 1000 + context) % model.vocab_size, last_only=True)
+    tokens = torch.tensor([(2000 + 37 * i) % model.vocab_size for i in range(16)])
+    out = {"kernels": kernels().describe(), "multicol": kernels().multicol, "widths": {}}
+    for n in (2, 3, 5, 9, 16):
+        model.rollback(context)
+        batch = model.forward(tokens[:n])
+        model.rollback(context)
+        single = torch.cat([model.forward(tokens[i : i + 1]) for i in range(n)])
+        out["widths"][n] = [torch.equal(batch, single), (batch - single).abs().max().item()]
+    print(json.dumps(out))
+""")
+
+
+def _passes(name: str, context: int, mode: str) -> dict:
+    from verispec.models import installed
+
+    if installed(name) is None:
+        pytest.fail(f"{name} is not installed; run `make setup`")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERISPEC_GGML_")}
+    run = subprocess.run([sys.executable, "-c", _PASSES, name, str(context), mode], capture_output=True, text=True,
+                         env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", [DEFAULT_TARGET, "smollm2-135m-instruct"])
+def test_exact_kernels_make_a_pass_over_n_tokens_equal_n_one_token_passes(name):
+    """300 cached tokens: one-token flash attention would split the context across threads (from 512 cells)
+    and sum it in another order than a wider pass. The 1.5B's Q4_K/Q6_K weights run verispec's multi-column
+    kernels (or one-column ones), SmolLM2's Q4_1 weights one-column kernels, so both paths are covered."""
+    result = _passes(name, 300, "exact")
+    assert "batch-invariant up to 16 tokens" in result["kernels"]
+    assert all(same for same, _ in result["widths"].values()), result["widths"]
+
+
+@pytest.mark.integration
+def test_default_kernels_split_one_token_attention_over_long_contexts():
+    """The negative control of the test above: without exact kernels the same passes differ (split-KV
+    attention), so that test can fail."""
+    result = _passes(DEFAULT_TARGET, 300, "default")
+    assert not any(same for same, _ in result["widths"].values()), result["widths"]
+
+
+@pytest.mark.integration
+def test_multicolumn_kernels_compute_each_column_as_a_one_token_pass():
+    """With 100 cached tokens no attention splits, and the multi-column kernels (2-16 tokens) must give every
+    column bitwise what the one-token kernels give: the same integer sums and float steps."""
+    result = _passes(DEFAULT_TARGET, 100, "default")
+    if not result["multicol"]:
+        pytest.skip(f"no multi-column kernels here: {result['kernels']}")
+    assert all(same for same, _ in result["widths"].values()), result["widths"]
+
+
+@pytest.mark.integration
+def test_generate_with_exact_kernels_is_token_identical_to_plain_decoding():
+    """`verispec generate --exact-kernels` on the default target on llama.cpp: the suffix drafter at a fixed
+    k = 6 (every round a 7-token pass where a draft is found) against --no-speculation, on a prompt long
+    enough for attention to split without exact kernels; --json says which kernels ran."""
+    from verispec.models import installed
+
+    if installed(DEFAULT_TARGET) is None:
+        pytest.fail(f"{DEFAULT_TARGET} is not installed; run `make setup`")
+    prompt = "Rewrite this function with a loop instead of recursion, keeping its name:\n\n" + "\n".join(
+        f"def f{i}(n):\n    return n if n < 2 else f{i}(n - 1) + f{i}(n - 2)\n" for i in range(12))
+    common = [sys.executable, "-m", "verispec.cli", "generate", "--target", DEFAULT_TARGET, "--backend", "llamacpp",
+              "--chat", "--prompt", prompt, "--max-new-tokens", "64", "--exact-kernels", "--json"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    outs = []
+    for extra in (["--drafter", "suffix", "-k", "6"], ["--no-speculation"]):
+        run = subprocess.run([*common, *extra], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    spec, plain = outs
+    assert spec["prompt_tokens"] > 256
+    assert spec["stats"]["accepted"] > 0
+    assert spec["token_ids"] == plain["token_ids"]
+    assert "batch-invariant" in spec["kernels"]
