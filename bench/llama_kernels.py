@@ -7,14 +7,15 @@ loaded at once; the passes take turns across configurations and widths in a shuf
 that the machine's drift falls on all of them alike, and each cell is the median over the repeats.
 
     default            verispec's build as verispec runs it: multi-column kernels for 1-16 tokens, repacked
-                       weights, flash attention, every core
+                       weights, flash attention (one-token attention not split across threads), every core
     exact              the same with batch-invariant kernels (--exact-kernels)
-    stock              the stock kernels of the same build (VERISPEC_GGML_MULTICOL=0): repacked Q4_K GEMM on
-                       groups of 4 columns, one-column Q6_K dot products, the tiled kernel from 8 tokens
+    stock              llama.cpp's own kernels in the same build (VERISPEC_GGML_MULTICOL=0,
+                       VERISPEC_GGML_FA_SPLIT_KV=1): repacked Q4_K GEMM on groups of 4 columns, one-column Q6_K
+                       dot products, the tiled kernel from 8 tokens, split-KV one-token attention
     stock-no-repack    stock, weights not repacked (use_extra_bufts false)
     stock-tiled        stock with the tiled VNNI kernel forced for every width (GGML_CPU_TILED_MM_FORCE=1)
     stock-no-repack-tiled  both
-    no-split-kv        default, one-token flash attention not split across threads over long contexts
+    split-kv           default, one-token flash attention split across threads over long contexts (stock)
     no-flash-attn      default without flash attention
     threads-1          default on one thread
 
@@ -62,7 +63,7 @@ class Config:
     threads: int | None = None
 
 
-STOCK = {ENV_MULTICOL: "0"}
+STOCK = {ENV_MULTICOL: "0", ENV_SPLIT_KV: "1"}
 CONFIGS = {
     "default": Config(),
     "exact": Config({ENV_EXACT: str(EXACT_WIDTH)}),
@@ -70,7 +71,7 @@ CONFIGS = {
     "stock-no-repack": Config(STOCK, repack=False),
     "stock-tiled": Config({**STOCK, "GGML_CPU_TILED_MM_FORCE": "1"}),
     "stock-no-repack-tiled": Config({**STOCK, "GGML_CPU_TILED_MM_FORCE": "1"}, repack=False),
-    "no-split-kv": Config({ENV_SPLIT_KV: "0"}),
+    "split-kv": Config({ENV_SPLIT_KV: "1"}),
     "no-flash-attn": Config(flash_attn=False),
     "threads-1": Config(threads=1),
 }

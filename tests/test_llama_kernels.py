@@ -1,8 +1,8 @@
 """verispec's llama.cpp kernels (native/llama.cpp-kernels.patch): what a process reports about them, the exact
 (batch-invariant) mode's rules, and, on the real GGUFs, that a pass over n tokens gives bitwise the logits of n
-one-token passes: with exact kernels always, and with the multi-column kernels alone where the context is short
-enough for one-token attention not to split across threads. llama.cpp reads its kernel switches once per
-process, so the passes run in child processes."""
+one-token passes: with exact kernels for every weight type, and by default for Q4_K/Q6_K weights (the
+multi-column kernels, one-token attention not split). llama.cpp reads its kernel switches once per process, so
+the passes run in child processes."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def system_info(monkeypatch):
 
     monkeypatch.setattr(llamacpp, "_opened", False)
     monkeypatch.delenv(llamacpp.ENV_EXACT, raising=False)
+    monkeypatch.delenv(llamacpp.ENV_SPLIT_KV, raising=False)
     return use
 
 
@@ -51,7 +52,7 @@ def test_kernels_read_from_the_features_list(system_info):
     system_info(AVX2_BUILD)
     assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol=False, amx=False, exact=0)
     system_info(STOCK_BUILD)
-    assert llamacpp.kernels() == llamacpp.Kernels(None, multicol=False, amx=True, exact=0)
+    assert llamacpp.kernels() == llamacpp.Kernels(None, multicol=False, amx=True, exact=0, split_kv=True)
 
 
 def test_each_kernel_state_says_why_in_one_line(system_info):
@@ -61,10 +62,23 @@ def test_each_kernel_state_says_why_in_one_line(system_info):
     assert "lacks AVX512-VNNI" in llamacpp.kernels().describe()
     system_info(STOCK_BUILD)
     line = llamacpp.kernels().describe()
-    assert "make install-llamacpp" in line and "AMX" in line
+    assert "make install-llamacpp" in line and "AMX" in line and "round differently" in line
     for line in (llamacpp.Kernels("k", True, False, 16).describe(), llamacpp.Kernels(None, False, False, 0).describe()):
         assert line.startswith("llama.cpp: ") and "\n" not in line
     assert "batch-invariant up to 16 tokens" in llamacpp.Kernels("k", True, False, 16).describe()
+    assert "round differently" in llamacpp.Kernels("k", True, False, 0, split_kv=True).describe()
+    assert "round differently" not in llamacpp.Kernels("k", True, False, 0).describe()
+
+
+def test_one_token_attention_unsplit_unless_asked(system_info, monkeypatch):
+    system_info(VERISPEC_BUILD)
+    monkeypatch.delenv(llamacpp.ENV_SPLIT_KV, raising=False)
+    assert not llamacpp.kernels().split_kv
+    monkeypatch.setenv(llamacpp.ENV_SPLIT_KV, "1")
+    assert llamacpp.kernels().split_kv
+    system_info(STOCK_BUILD)  # stock llama.cpp always splits
+    monkeypatch.delenv(llamacpp.ENV_SPLIT_KV)
+    assert llamacpp.kernels().split_kv
 
 
 def test_exact_kernels_switch_the_process_before_any_model_opens(system_info):
@@ -131,14 +145,14 @@ _PASSES = textwrap.dedent("""
 """)
 
 
-def _passes(name: str, context: int, mode: str) -> dict:
+def _passes(name: str, context: int, mode: str, **env: str) -> dict:
     from verispec.models import installed
 
     if installed(name) is None:
         pytest.fail(f"{name} is not installed; run `make setup`")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERISPEC_GGML_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("VERISPEC_GGML_")}
     run = subprocess.run([sys.executable, "-c", _PASSES, name, str(context), mode], capture_output=True, text=True,
-                         env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600)
+                         env={**base, **env, "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -155,21 +169,22 @@ def test_exact_kernels_make_a_pass_over_n_tokens_equal_n_one_token_passes(name):
 
 
 @pytest.mark.integration
-def test_default_kernels_split_one_token_attention_over_long_contexts():
-    """The negative control of the test above: without exact kernels the same passes differ (split-KV
-    attention), so that test can fail."""
+def test_default_kernels_compute_each_token_as_a_one_token_pass():
+    """The default on Q4_K/Q6_K weights: the multi-column kernels give every column bitwise what the one-token
+    kernels give (the same integer sums and float steps), and one-token attention is not split."""
     result = _passes(DEFAULT_TARGET, 300, "default")
-    assert not any(same for same, _ in result["widths"].values()), result["widths"]
-
-
-@pytest.mark.integration
-def test_multicolumn_kernels_compute_each_column_as_a_one_token_pass():
-    """With 100 cached tokens no attention splits, and the multi-column kernels (2-16 tokens) must give every
-    column bitwise what the one-token kernels give: the same integer sums and float steps."""
-    result = _passes(DEFAULT_TARGET, 100, "default")
     if not result["multicol"]:
         pytest.skip(f"no multi-column kernels here: {result['kernels']}")
     assert all(same for same, _ in result["widths"].values()), result["widths"]
+
+
+@pytest.mark.integration
+def test_split_one_token_attention_breaks_the_identity():
+    """The negative control of the two tests above: with llama.cpp's split-KV one-token attention the same
+    passes differ, so those tests can fail."""
+    result = _passes(DEFAULT_TARGET, 300, "default", **{llamacpp.ENV_SPLIT_KV: "1"})
+    assert "round differently" in result["kernels"]
+    assert not any(same for same, _ in result["widths"].values()), result["widths"]
 
 
 @pytest.mark.integration

@@ -7,8 +7,12 @@ per-position and nothing else carries state. llama.cpp works on host memory, so 
 host for every forward and logits go to `device` (the pipeline's device) once per call.
 
 `make install-llamacpp` builds llama-cpp-python with verispec's kernel patch (native/llama.cpp-kernels.patch):
-multi-column kernels for passes over a few tokens, and a batch-invariant mode in which a pass over n <= EXACT_WIDTH
-tokens gives bitwise the logits of n one-token passes. `kernels()` says which this process runs.
+multi-column kernels that compute a pass over up to 16 tokens reading each Q4_K/Q6_K weight once, each token
+bitwise as a one-token pass would; and a batch-invariant mode in which a pass over n <= EXACT_WIDTH tokens gives
+bitwise the logits of n one-token passes whatever the weight types. One-token flash attention is not split across
+threads over long contexts (the split sums the context in another order than a wider pass; on a few cores it
+saves nothing measurable), so with Q4_K/Q6_K weights verification gives plain decoding's logits by default.
+`kernels()` says which kernels this process runs.
 """
 
 from __future__ import annotations
@@ -50,12 +54,14 @@ def import_llama_cpp():
 class Kernels:
     """The llama.cpp kernels of this process. `build`: verispec's build key (None: llama-cpp-python was not built
     by `make install-llamacpp`); `multicol`: verispec's multi-column kernels are compiled in (x86 with AVX512-VNNI);
-    `amx`: llama.cpp's AMX kernels are; `exact`: the widest pass computed by batch-invariant kernels (0: none)."""
+    `amx`: llama.cpp's AMX kernels are; `exact`: the widest pass computed by batch-invariant kernels (0: none);
+    `split_kv`: one-token flash attention splits long contexts across threads."""
 
     build: str | None
     multicol: bool
     amx: bool
     exact: int
+    split_kv: bool = False
 
     def describe(self) -> str:
         """One line: which kernels verify a pass over a few tokens, and why."""
@@ -63,13 +69,16 @@ class Kernels:
             line = ("stock llama-cpp-python kernels (built without verispec's patch: `make install-llamacpp` builds "
                     "the multi-column kernels that make verification cheaper)")
         elif self.multicol:
-            line = "verispec's multi-column kernels (AVX512-VNNI): a pass over up to 16 tokens reads each weight once"
+            line = ("verispec's multi-column kernels (AVX512-VNNI): a pass over up to 16 tokens reads each Q4_K/Q6_K "
+                    "weight once")
         else:
             line = "stock kernels: this CPU lacks AVX512-VNNI, which verispec's multi-column kernels need"
         if self.amx:
             line += "; llama.cpp's AMX kernels"
         if self.exact:
             line += f"; batch-invariant up to {self.exact} tokens (exact kernels)"
+        elif self.split_kv:
+            line += "; one-token attention split across threads (verification can round differently)"
         return "llama.cpp: " + line
 
 
@@ -85,7 +94,8 @@ def kernels() -> Kernels:
     features = _features()
     build = features.get("VERISPEC_BUILD")
     exact = int(os.environ.get(ENV_EXACT) or 0) if build is not None else 0
-    return Kernels(build, features.get("VERISPEC_MULTICOL") == "1", features.get("AMX_INT8") == "1", exact)
+    split_kv = build is None or os.environ.get(ENV_SPLIT_KV, "0") != "0"
+    return Kernels(build, features.get("VERISPEC_MULTICOL") == "1", features.get("AMX_INT8") == "1", exact, split_kv)
 
 
 _opened = False  # a llama.cpp model was opened in this process: it may have computed, its switches read
@@ -120,6 +130,7 @@ def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch:
     global _opened
     llama_cpp = import_llama_cpp()
     threads = n_threads or default_threads()
+    os.environ.setdefault(ENV_SPLIT_KV, "0")  # see the module docstring; read when llama.cpp first computes
     _opened = True
     try:
         return llama_cpp.Llama(
