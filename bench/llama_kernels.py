@@ -6,7 +6,7 @@ Every configuration runs in a process of its own (llama.cpp reads its kernel swi
 loaded at once; the passes take turns across configurations and widths in a shuffled order each repeat, so
 that the machine's drift falls on all of them alike, and each cell is the median over the repeats.
 
-    default            verispec's build as verispec runs it: multi-column kernels for 1-16 tokens, repacked
+    default            verispec's build as verispec runs it: multi-column kernels for every pass, repacked
                        weights, flash attention (one-token attention not split across threads), every core
     exact              the same with batch-invariant kernels (--exact-kernels)
     stock              llama.cpp's own kernels in the same build (VERISPEC_GGML_MULTICOL=0,

@@ -7,8 +7,8 @@ per-position and nothing else carries state. llama.cpp works on host memory, so 
 host for every forward and logits go to `device` (the pipeline's device) once per call.
 
 `make install-llamacpp` builds llama-cpp-python with verispec's kernel patch (native/llama.cpp-kernels.patch):
-multi-column kernels that compute a pass over up to 16 tokens reading each Q4_K/Q6_K weight once, each token
-bitwise as a one-token pass would; and a batch-invariant mode in which a pass over n <= EXACT_WIDTH tokens gives
+multi-column kernels that read each Q4_K/Q6_K weight block once for up to a dozen tokens of a pass and compute
+every token bitwise as a one-token pass would; and a batch-invariant mode in which a pass over n <= EXACT_WIDTH tokens gives
 bitwise the logits of n one-token passes whatever the weight types. One-token flash attention is not split across
 threads over long contexts (the split sums the context in another order than a wider pass; on a few cores it
 saves nothing measurable), so with Q4_K/Q6_K weights verification gives plain decoding's logits by default.
@@ -69,8 +69,8 @@ class Kernels:
             line = ("stock llama-cpp-python kernels (built without verispec's patch: `make install-llamacpp` builds "
                     "the multi-column kernels that make verification cheaper)")
         elif self.multicol:
-            line = ("verispec's multi-column kernels (AVX512-VNNI): a pass over up to 16 tokens reads each Q4_K/Q6_K "
-                    "weight once")
+            line = ("verispec's multi-column kernels (AVX512-VNNI): each Q4_K/Q6_K weight block read once for up to a "
+                    "dozen tokens of a pass")
         else:
             line = "stock kernels: this CPU lacks AVX512-VNNI, which verispec's multi-column kernels need"
         if self.amx:
