@@ -57,8 +57,8 @@ install-llamacpp:
 	$(PYTHON) -m pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl
 
 models:
-	$(PYTHON) -m verispec.cli models pull
-	$(PYTHON) -m verispec.cli models pull smollm2-135m-instruct
+	$(PYTHON) -m verispec.apps.cli models pull
+	$(PYTHON) -m verispec.apps.cli models pull smollm2-135m-instruct
 
 # The unit tests run on tiny in-process models, one thread each (tests/conftest.py), so they run in parallel:
 # one pytest-xdist worker per core (at most 8), a test file per worker at a time (its module fixtures built

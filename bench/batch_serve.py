@@ -35,7 +35,7 @@ DATA = Path(os.environ.get("BENCH_DATA", Path(__file__).resolve().parents[2] / "
 
 
 def _prompts(humaneval: int, spec_bench: int) -> list[dict]:
-    from verispec.bench.loader import load_prompts, select
+    from verispec.apps.bench.loader import load_prompts, select
 
     picked = select(load_prompts(DATA / "HumanEval.jsonl.gz"), limit=humaneval)
     per_category = max(1, -(-spec_bench // 6))
@@ -85,7 +85,7 @@ class Server:
     def __init__(self, args, max_batch: int) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "verispec.cli", "serve", "--port", str(self.port), "--log-level", "warning",
+        cmd = [sys.executable, "-m", "verispec.apps.cli", "serve", "--port", str(self.port), "--log-level", "warning",
                "--backend", "hf", "--dtype", args.dtype, "-k", str(args.k), "--max-batch", str(max_batch),
                "--served-model-name", "bench"]
         self.proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL,

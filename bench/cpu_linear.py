@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The two orders of a linear layer's product on this machine (verispec.linear): F.linear's x Wᵀ against
+"""The two orders of a linear layer's product on this machine (verispec.backends.linear): F.linear's x Wᵀ against
 verispec's (W xᵀ)ᵀ, per row count, on the target's own layer shapes; then the whole target forward over n
 new tokens on a warm cache (a verify pass over n - 1 drafts) with its layers in either order, against one
 plain decoding step. Median of a few, both orders in one process, alternating.
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from verispec.linear import OrientedLinear, linear
+from verispec.backends.linear import OrientedLinear, linear
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -41,8 +41,8 @@ def _set_order(model: nn.Module, oriented: bool) -> None:
 
 def main() -> None:
     from verispec.backends import HFModel
-    from verispec.build import DTYPES
-    from verispec.loading import load_model
+    from verispec.assembly.build import DTYPES
+    from verispec.backends.loading import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")

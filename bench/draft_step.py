@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from verispec.build import BACKENDS, LoadRequest
-from verispec.loading import DTYPES
-from verispec.models import DEFAULT_DRAFT
+from verispec.assembly.build import BACKENDS, LoadRequest
+from verispec.backends.loading import DTYPES
+from verispec.names.models import DEFAULT_DRAFT
 
 
 def main() -> None:

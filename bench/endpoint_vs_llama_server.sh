@@ -28,7 +28,7 @@ case "$model" in
     qwen2.5-coder-1.5b-instruct) spec=(--drafter model) ;;  # the default pair
     *) echo "unknown MODEL '$model' (smollm2-135m-instruct, qwen2.5-coder-1.5b-instruct)" >&2; exit 2 ;;
 esac
-gguf="$("$python" -c "import sys; from verispec.loading import resolve_gguf; print(resolve_gguf(sys.argv[1]))" "$model")"
+gguf="$("$python" -c "import sys; from verispec.backends.loading import resolve_gguf; print(resolve_gguf(sys.argv[1]))" "$model")"
 
 mkdir -p out
 logs="out/endpoint_servers"
@@ -60,11 +60,11 @@ endpoints=()
 llama_server llama-cpp-python
 llama_server llama-cpp-python-lookup --draft_model prompt-lookup-decoding --draft_model_num_pred_tokens "${LOOKUP_K:-10}"
 port="$(free_port)"
-"$python" -m verispec.cli serve --backend llamacpp "${spec[@]}" --host 127.0.0.1 --port "$port" \
+"$python" -m verispec.apps.cli serve --backend llamacpp "${spec[@]}" --host 127.0.0.1 --port "$port" \
     --log-level warning >"$logs/verispec.log" 2>&1 &
 pids+=($!)
 wait_up "http://127.0.0.1:$port/health" $!
 endpoints+=(--endpoint "verispec=http://127.0.0.1:$port/v1")
 
-"$python" -m verispec.cli bench "${endpoints[@]}" "${prompts[@]}" --limit "${PROMPTS:-10}" \
+"$python" -m verispec.apps.cli bench "${endpoints[@]}" "${prompts[@]}" --limit "${PROMPTS:-10}" \
     --max-new-tokens "${MAX_NEW:-128}" --json-out "out/endpoint_vs_llama_server_$model.json" "$@"

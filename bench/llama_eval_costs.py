@@ -11,8 +11,8 @@ import time
 import torch
 
 from verispec.backends.llamacpp import LlamaCppModel
-from verispec.loading import resolve_gguf
-from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.backends.loading import resolve_gguf
+from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def main() -> None:

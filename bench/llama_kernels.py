@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verispec.backends.llamacpp import ENV_EXACT, ENV_MULTICOL, ENV_SPLIT_KV, EXACT_WIDTH, kernels
-from verispec.models import DEFAULT_TARGET
+from verispec.names.models import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
 # After a pass, llama.cpp's OpenMP threads spin for a while before they sleep: a process answers only once its
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the order the passes take turns in")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    from verispec.loading import resolve_gguf
+    from verispec.backends.loading import resolve_gguf
 
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]

@@ -21,12 +21,12 @@ from collections import defaultdict
 
 import llama_cpp
 
-from verispec.bench import harness
-from verispec.bench.harness import Bench, Config, balanced_orders
-from verispec.bench.loader import load_prompts, select
-from verispec.build import DraftSpec, TargetSpec
-from verispec.sampling import SamplingParams
-from verispec.text import encode_prompt
+from verispec.apps.bench import harness
+from verispec.apps.bench.harness import Bench, Config, balanced_orders
+from verispec.apps.bench.loader import load_prompts, select
+from verispec.assembly.build import DraftSpec, TargetSpec
+from verispec.core.sampling import SamplingParams
+from verispec.pipeline.text import encode_prompt
 
 DECODERS = [
     Config("llama-cpp-python plain", "llama"),

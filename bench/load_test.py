@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 def _start_server(args) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "verispec.cli", "serve", "--port", str(port), "--log-level", "warning",
+    cmd = [sys.executable, "-m", "verispec.apps.cli", "serve", "--port", str(port), "--log-level", "warning",
            "--target", args.target, "--dtype", args.dtype, "--served-model-name", args.model,
            "--max-queue", str(args.max_queue)]
     cmd += ["--draft", args.draft] if args.draft else ["--no-speculation"]

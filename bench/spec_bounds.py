@@ -1,6 +1,6 @@
 """How fast could speculation be here? The best any k policy can do with each drafter, on these prompts, at this
 machine's costs measured in this process: the ceiling that tells a policy's shortfall from the drafter's or
-the backend's (see verispec.bench.bounds for how rounds are worked out from plain decoding).
+the backend's (see verispec.apps.bench.bounds for how rounds are worked out from plain decoding).
 
 Measured: each prompt's plain greedy decoding and prefill; the target's pass over n = 1 .. k_max + 1 new tokens
 on a warm cache (median of --repeats); a draft model's one-token step and its prefill of each prompt. Reported
@@ -34,7 +34,7 @@ import torch
 
 import verispec
 from verispec.backends.base import common_prefix_length
-from verispec.bench.bounds import (
+from verispec.apps.bench.bounds import (
     Costs,
     Text,
     acceptance_per_depth,
@@ -49,14 +49,14 @@ from verispec.bench.bounds import (
     simulate,
     trace_seconds,
 )
-from verispec.adaptive import CostAwareK
-from verispec.bench.loader import answer_history, load_prompts, select
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.apps.bench.loader import answer_history, load_prompts, select
 from verispec.proposers.draft_model import align_vocab
 from verispec.proposers.ngram import NgramProposer
 from verispec.proposers.suffix import SuffixProposer
-from verispec.sampling import SamplingParams
-from verispec.text import encode_messages, encode_prompt
-from verispec.timing import sync
+from verispec.core.sampling import SamplingParams
+from verispec.pipeline.text import encode_messages, encode_prompt
+from verispec.core.timing import sync
 
 FREE = {"suffix": SuffixProposer, "ngram": NgramProposer}
 

@@ -2,7 +2,7 @@
 """What a token tree costs on this machine, per node count: the default pair's target verifying a tree of n
 nodes (one tree-masked forward over the root and n nodes, on a ~300-token cache) against one plain decoding
 step, and the draft's forward over a frontier of w nodes against its one-token step. Median of a few, in one
-process; the k policy (verispec.tree_budget) weighs these same costs when it picks a tree's budget and depth.
+process; the k policy (verispec.decoding.policies.tree_budget) weighs these same costs when it picks a tree's budget and depth.
 
     python bench/tree_costs.py [--dtype fp32] [--nodes 1,2,4,8,12,16,24,32] [--widths 1,2,4,8] [--json-out FILE]
 
@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from verispec.timing import sync
+from verispec.core.timing import sync
 
 
 def _chain_tree(n: int, width: int = 4):
     """A tree of n nodes in the shape the drafter grows: `width` children under the best node of each depth."""
-    from verispec.tree import ROOT, TokenTree
+    from verispec.core.tree import ROOT, TokenTree
 
     parents, tokens, last = [], [], ROOT
     while len(parents) < n:

@@ -56,7 +56,7 @@ class ServerProcess(CommandServer):
     """`verispec serve ARGS` on a free loopback port, offline; ready once /health answers."""
 
     def __init__(self, args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
-        argv = [sys.executable, "-m", "verispec.cli", "serve", "--port", "{port}", "--log-level", "warning", *args]
+        argv = [sys.executable, "-m", "verispec.apps.cli", "serve", "--port", "{port}", "--log-level", "warning", *args]
         super().__init__(argv, "/health", timeout, {"HF_HUB_OFFLINE": "1", **(env or {})})
 
 

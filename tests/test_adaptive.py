@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tiny import make_engine, perturbed, tiny_qwen2
-from verispec.adaptive import AcceptanceEstimate, CostAwareK, CostModel, ProbeGate, SourcePolicy, TargetCosts
-from verispec.policy import Plan, RoundReport, RoundView
+from verispec.decoding.policies.cost_aware import AcceptanceEstimate, CostAwareK, CostModel, ProbeGate, SourcePolicy, TargetCosts
+from verispec.decoding.policies.base import Plan, RoundReport, RoundView
 from verispec.proposers.ngram import lookup_guess
-from verispec.sequence import TokenSequence
+from verispec.core.sequence import TokenSequence
 
 
 def make_policy(k_max: int = 8, acceptance: list[float] | None = None, t_draft: float | None = None,
@@ -585,7 +585,7 @@ def test_draft_model_time_step_is_part_of_its_catch_up(target):
     that follow are those of a draft that never timed a step."""
     from verispec.backends import HFModel
     from verispec.proposers import DraftModelProposer
-    from verispec.sampling import SamplingParams
+    from verispec.core.sampling import SamplingParams
 
     drafts = []
     for timed in (False, True):
@@ -605,7 +605,7 @@ def test_draft_model_time_step_is_part_of_its_catch_up(target):
 def test_draft_model_reports_pending_catch_up(target):
     from verispec.backends import HFModel
     from verispec.proposers import DraftModelProposer
-    from verispec.sampling import SamplingParams
+    from verispec.core.sampling import SamplingParams
 
     proposer = DraftModelProposer(HFModel(tiny_qwen2(3)), 64)
     seq = TokenSequence(list(range(1, 11)), 40, torch.device("cpu"))
@@ -674,7 +674,7 @@ def test_engine_learns_costs_before_the_draft_runs(target):
     (2 tokens) on the target before the draft model runs at all; its first pass is a single timed step. The
     output is plain decoding's."""
     from verispec.backends import HFModel
-    from verispec.engine import SpeculativeGenerator
+    from verispec.decoding.engine import SpeculativeGenerator
     from verispec.proposers import DraftModelProposer
 
     log = []
@@ -715,7 +715,7 @@ def test_engine_benches_a_draft_with_costs_the_estimates_miss(target):
     import time
 
     from verispec.backends import HFModel
-    from verispec.engine import SpeculativeGenerator
+    from verispec.decoding.engine import SpeculativeGenerator
     from verispec.proposers import DraftModelProposer
 
     class SlowTarget(HFModel):

@@ -11,7 +11,7 @@ from tiny import perturbed, text_pair
 from transformers import GenerationConfig, TextIteratorStreamer
 
 import verispec
-from verispec.text import encode_messages
+from verispec.pipeline.text import encode_messages
 
 PROMPT = "The quick brown fox"
 
@@ -162,7 +162,7 @@ def test_load_refuses_what_it_cannot_build(models):
 
 @pytest.mark.parametrize("drafter", ["model", "hybrid"])
 def test_context_length_is_the_shorter_of_the_pair(models, drafter):
-    from verispec.server.app import context_length
+    from verispec.apps.server.app import context_length
 
     target, _, tok = models
     short = perturbed(target, seed=5, noise=0.1)
@@ -188,8 +188,8 @@ def test_every_drafter_loads_and_decodes_exactly(models, plain, drafter):
 
 
 def test_cli_drafter_names_are_the_registry():
-    from verispec.build import DRAFTERS
-    from verispec.cli import DRAFTER_NAMES, FREE_DRAFTERS
+    from verispec.assembly.build import DRAFTERS
+    from verispec.apps.cli import DRAFTER_NAMES, FREE_DRAFTERS
 
     assert DRAFTER_NAMES == tuple(DRAFTERS)
     assert FREE_DRAFTERS == tuple(name for name, d in DRAFTERS.items() if not d.needs_model)

@@ -11,7 +11,7 @@ import torch
 from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
 
 from verispec.backends import HFModel
-from verispec.build import (
+from verispec.assembly.build import (
     DEFAULTS,
     DRAFTERS,
     Defaults,
@@ -28,9 +28,9 @@ from verispec.build import (
     resolve,
     warm_up,
 )
-from verispec.cli import main
-from verispec.loading import eog_ids_of_vocab, eog_token_ids
-from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, MANIFEST
+from verispec.apps.cli import main
+from verispec.backends.loading import eog_ids_of_vocab, eog_token_ids
+from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET, MANIFEST
 
 SMOLLM = "smollm2-135m-instruct"
 
@@ -71,7 +71,7 @@ def test_choose_dtype_on_fake_cpus(flags, dtype, words):
 
 
 def test_the_dtype_defaults_to_the_cpus_choice(pair_dirs, monkeypatch, capsys):
-    import verispec.build as build_module
+    import verispec.assembly.build as build_module
 
     target, draft = pair_dirs
     for flags, dtype, torch_dtype in (({"amx_bf16"}, "bf16", torch.bfloat16), ({"avx2"}, "fp32", torch.float32)):
@@ -222,7 +222,7 @@ def test_models_endpoint_carries_the_setup(pair_dirs):
 
     import httpx
 
-    from verispec.server.app import ServerSettings, create_app
+    from verispec.apps.server.app import ServerSettings, create_app
 
     target, _ = pair_dirs
     pipe = build(TargetSpec(target, device="cpu", dtype="fp32"), DraftSpec("ngram"), 2)
@@ -243,8 +243,8 @@ def test_models_endpoint_carries_the_setup(pair_dirs):
 def test_chat_stats_show_the_setup(pair_dirs, monkeypatch, capsys):
     import io
 
-    from verispec.chat import ChatBot
-    from verispec.repl import run_repl
+    from verispec.apps.chat import ChatBot
+    from verispec.apps.repl import run_repl
 
     target, _ = pair_dirs
     pipe = build(TargetSpec(target, device="cpu", dtype="fp32"), DraftSpec("suffix"), "auto")
@@ -271,7 +271,7 @@ def test_eog_rule_on_a_vocabulary():
 def test_the_end_set_is_the_same_on_every_backend(pair_dirs, monkeypatch):
     """build's EOS set includes the tokenizer's EOG tokens (the tiny tokenizer's <|endoftext|> besides its
     EOS <|im_end|>), whichever backend loads the model."""
-    from verispec.build import BACKENDS, Backend
+    from verispec.assembly.build import BACKENDS, Backend
 
     target, _ = pair_dirs
     tok = byte_tokenizer()
@@ -302,12 +302,12 @@ def test_warm_up_leaves_the_cache_empty_and_outputs_unchanged():
 def test_the_store_warms_up_each_model_once(pair_dirs, monkeypatch):
     """The target and the draft each get one warm-up at load (a model's forwards before any generation),
     not one per pipeline."""
-    import verispec.build
+    import verispec.assembly.build
 
     target, draft = pair_dirs
     warmed = []
-    real = verispec.build.warm_up
-    monkeypatch.setattr(verispec.build, "warm_up", lambda model: warmed.append(model) or real(model))
+    real = verispec.assembly.build.warm_up
+    monkeypatch.setattr(verispec.assembly.build, "warm_up", lambda model: warmed.append(model) or real(model))
     store = ModelStore()
     t = TargetSpec(target, device="cpu", dtype="fp32")
     a = build(t, DraftSpec("model", draft), 2, store=store)
@@ -320,7 +320,7 @@ def test_the_store_warms_up_each_model_once(pair_dirs, monkeypatch):
 
 
 def _installed(name: str):
-    from verispec.models import installed
+    from verispec.names.models import installed
 
     root = installed(name)
     if root is None:

@@ -1,4 +1,4 @@
-"""Batched speculative decoding (verispec.batch): every sequence exact on its own, whatever its batch mates."""
+"""Batched speculative decoding (verispec.decoding.batch): every sequence exact on its own, whatever its batch mates."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from test_engine import ALPHA, _exact_marginals
 from tiny import make_engine, perturbed, text_pair, tiny_qwen2
 
 import verispec
-from verispec import batch as batch_module
-from verispec import engine as engine_module
+from verispec.decoding import batch as batch_module
+from verispec.decoding import engine as engine_module
 from verispec.backends import lean as lean_module
 from verispec.backends.lean import LeanBatch, LeanModel, LeanNet
-from verispec.batch import BatchGenerator
+from verispec.decoding.batch import BatchGenerator
 from verispec.proposers import NgramProposer
 from verispec.proposers.rows import BatchDraftModel, ProposerRows
-from verispec.sampling import SamplingParams
+from verispec.core.sampling import SamplingParams
 
 EOS = 7
 
@@ -380,7 +380,7 @@ def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
     """An int4 draft: a batch's draft step has more rows than the packed kernels' few, and must still compute
     each row as it would alone (the packed kernels do; the bf16 fallback would change q, and the draws). A
     near-uniform model, where any change of q changes the seeded draws."""
-    from verispec.quant import quantize_model
+    from verispec.backends.quant import quantize_model
 
     target, draft, _ = text_pair()
     net = LeanNet(draft)

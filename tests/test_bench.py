@@ -9,19 +9,19 @@ import math
 import pytest
 from tiny import save_tiny_pair
 
-import verispec.bench.harness as harness
-from verispec.bench.harness import Bench, Config, balanced_orders, first_difference, run_benchmark
-from verispec.bench.loader import Prompt, answer_history, load_prompts, select
-from verispec.bench.report import (
+import verispec.apps.bench.harness as harness
+from verispec.apps.bench.harness import Bench, Config, balanced_orders, first_difference, run_benchmark
+from verispec.apps.bench.loader import Prompt, answer_history, load_prompts, select
+from verispec.apps.bench.report import (
     alpha_from_mean_length,
     build_report,
     leviathan_bound,
     write_plots,
 )
-from verispec.build import BACKENDS, Backend, DraftSpec, TargetSpec
-from verispec.cli import main
-from verispec.sampling import SamplingParams
-from verispec.text import encode_messages
+from verispec.assembly.build import BACKENDS, Backend, DraftSpec, TargetSpec
+from verispec.apps.cli import main
+from verispec.core.sampling import SamplingParams
+from verispec.pipeline.text import encode_messages
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -140,7 +140,7 @@ def test_warm_history_times_a_turn_with_the_conversation_already_cached(pair_dir
     """--warm-history: each run first answers turn 1 itself (untimed), so the timed turn 2 prefills only what
     turn 1 left out of the target's cache (its answer's end and turn 2), not the whole conversation; outputs
     stay the same tokens."""
-    from verispec.engine import SpeculativeGenerator
+    from verispec.decoding.engine import SpeculativeGenerator
 
     bench = _tiny_bench(pair_dirs)
     prompt = Prompt("81", "writing", "Now say it again.", True, ("Say something.",))
@@ -279,8 +279,8 @@ def test_cli_bench_draft_variants_same_run(pair_dirs, tmp_path, capsys):
 
 
 def test_parse_draft_variant():
-    from verispec.bench.harness import parse_draft_variant
-    from verispec.models import ModelError
+    from verispec.apps.bench.harness import parse_draft_variant
+    from verispec.names.models import ModelError
 
     assert parse_draft_variant("llamacpp") == ("llamacpp", "none", 0, "auto")
     assert parse_draft_variant("hf-int4-v32768") == ("hf", "int4", 32768, "auto")
@@ -523,7 +523,7 @@ def test_failed_configuration_is_left_out_of_the_aggregates(pair_dirs, monkeypat
 
 def test_cli_endpoint_bench_interrupted_keeps_what_was_measured(tmp_path, capsys, monkeypatch):
     """Against endpoints too: Ctrl-C keeps the runs measured so far, with their speedups, and exits 130."""
-    import verispec.bench.endpoint as endpoint
+    import verispec.apps.bench.endpoint as endpoint
 
     def interrupted(endpoints, prompts, sampling, max_tokens, warmup, on_run):
         for name, seconds in (("a", 2.0), ("b", 1.0), ("a", 2.0)):  # prompt 1 on both, prompt 2 on a

@@ -1,4 +1,4 @@
-"""verispec.bench.bounds: greedy speculation's rounds worked out from plain decoding equal the engine's real
+"""verispec.apps.bench.bounds: greedy speculation's rounds worked out from plain decoding equal the engine's real
 rounds, and the oracle is the fastest of all policies."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from tiny import make_engine, perturbed, tiny_qwen2
 from verispec.backends import HFModel
-from verispec.bench.bounds import (
+from verispec.apps.bench.bounds import (
     Costs,
     Text,
     acceptance_per_depth,
@@ -24,11 +24,11 @@ from verispec.bench.bounds import (
     policy_seconds,
     simulate,
 )
-from verispec.adaptive import CostAwareK
-from verispec.policy import FixedK, Plan
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.decoding.policies.base import FixedK, Plan
 from verispec.proposers import NgramProposer, SuffixProposer
 from verispec.proposers.base import Draft
-from verispec.sampling import SamplingParams
+from verispec.core.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 13, 5, 9, 13, 21, 5, 9], [40, 41, 42, 43, 40, 41, 42, 7, 8, 40], [3, 3, 17, 29, 3, 3, 17]]
 K_MAX = 6

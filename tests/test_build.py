@@ -9,7 +9,7 @@ import torch
 from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
 
 from verispec.backends.llamacpp import CONTEXT_STEP, context_size, gguf_metadata, kv_bytes_per_token
-from verispec.build import (
+from verispec.assembly.build import (
     BACKENDS,
     DRAFTERS,
     Backend,
@@ -23,7 +23,7 @@ from verispec.build import (
     default_refs,
     resolve,
 )
-from verispec.cli import main
+from verispec.apps.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import pexpect
 import pytest
 from tiny import save_tiny_pair
 
-from verispec.chat import ChatBot
-from verispec.models import installed
-from verispec.pipeline import build_pipeline
-from verispec.text import encode_messages
+from verispec.apps.chat import ChatBot
+from verispec.names.models import installed
+from verispec.pipeline.pipeline import build_pipeline
+from verispec.pipeline.text import encode_messages
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +92,9 @@ def test_stats_reset_and_speedup(pair_dirs):
 
 
 def _spawn(args: list[str], timeout: int = 120) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "verispec.cli", "chat", *args], encoding="utf-8", timeout=timeout,
+    child = pexpect.spawn(sys.executable, ["-m", "verispec.apps.cli", "chat", *args], encoding="utf-8", timeout=timeout,
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(__import__("pathlib").Path.home()),
-                               "VERISPEC_HOME": __import__("verispec.models").models.cache_root().as_posix()})
+                               "VERISPEC_HOME": __import__("verispec.names.models").names.models.cache_root().as_posix()})
     child.setwinsize(40, 200)
     return child
 
@@ -130,7 +130,7 @@ def test_repl_piped_stdin_one_answer_per_line(pair_dirs):
 
     target, draft = pair_dirs
     proc = subprocess.run(
-        [sys.executable, "-m", "verispec.cli", "chat", "--target", target, "--draft", draft, "--dtype", "fp32",
+        [sys.executable, "-m", "verispec.apps.cli", "chat", "--target", target, "--draft", draft, "--dtype", "fp32",
          "--max-new-tokens", "8"],
         input="one\ntwo\n", capture_output=True, text=True, timeout=120,
     )

@@ -7,7 +7,7 @@ import json
 import pytest
 from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
 
-from verispec.cli import main
+from verispec.apps.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_llamacpp_backend_without_the_extra_says_how_to_install(pair_dirs, capsy
     import sys
 
     from verispec.backends.llamacpp import import_llama_cpp
-    from verispec.models import ModelError
+    from verispec.names.models import ModelError
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
     with pytest.raises(ModelError, match=r"pip install -e '\.\[llamacpp\]'"):
@@ -169,7 +169,7 @@ def test_help_shows_every_flags_default(capsys):
     every command's help also catches a stray '%' in a help string."""
     import argparse
 
-    from verispec.cli import build_parser
+    from verispec.apps.cli import build_parser
 
     assert main(["generate", "--help"]) == 0
     assert "--max-new-tokens N most tokens to generate (default: 256)" in " ".join(capsys.readouterr().out.split())
@@ -190,17 +190,17 @@ def test_help_shows_every_flags_default(capsys):
 
 def test_system_message_reaches_the_chat_prompt(pair_dirs, capsys, monkeypatch):
     """--system becomes the chat template's system message, before the user's (and implies --chat)."""
-    import verispec.text
+    import verispec.pipeline.text
 
     target, draft = pair_dirs
-    real, prompts = verispec.text.encode_prompt, []
+    real, prompts = verispec.pipeline.text.encode_prompt, []
 
     def spy(tokenizer, prompt, chat, system=None):
         ids = real(tokenizer, prompt, chat, system)
         prompts.append(tokenizer.decode(ids))
         return ids
 
-    monkeypatch.setattr(verispec.text, "encode_prompt", spy)
+    monkeypatch.setattr(verispec.pipeline.text, "encode_prompt", spy)
     common = ["--target", target, "--draft", draft, "--prompt", "Hi there", "--max-new-tokens", "4"]
     with_system = _run_json(capsys, *common, "--system", "Answer in French.")
     chat = _run_json(capsys, *common, "--chat")
@@ -247,12 +247,12 @@ def test_runtime_failure_exits_1_with_one_line(pair_dirs, tmp_path, capsys):
 
 def test_unexpected_error_is_one_line_unless_asked(pair_dirs, capsys, monkeypatch):
     """An exception verispec does not expect: its type and first line, exit 1; VERISPEC_TRACEBACK=1 raises it."""
-    import verispec.cli
+    import verispec.apps.cli
 
     def broken(args):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(verispec.cli, "_pipeline", broken)
+    monkeypatch.setattr(verispec.apps.cli, "_pipeline", broken)
     assert main(["generate", "--prompt", "a", "--no-speculation"]) == 1
     assert capsys.readouterr().err == "verispec: error: RuntimeError: boom\n"
     monkeypatch.setenv("VERISPEC_TRACEBACK", "1")

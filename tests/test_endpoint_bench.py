@@ -14,7 +14,7 @@ import pytest
 from server_util import CommandServer, ServerProcess, free_port
 from tiny import save_tiny_pair
 
-from verispec.bench.endpoint import (
+from verispec.apps.bench.endpoint import (
     Endpoint,
     EndpointRun,
     _set_speedups,
@@ -25,8 +25,8 @@ from verispec.bench.endpoint import (
     sse_events,
     summarize,
 )
-from verispec.bench.loader import Prompt
-from verispec.cli import main
+from verispec.apps.bench.loader import Prompt
+from verispec.apps.cli import main
 
 SMOLLM = "smollm2-135m-instruct"
 
@@ -178,7 +178,7 @@ def verispec_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_server():
-    from verispec.models import installed
+    from verispec.names.models import installed
 
     root = installed(SMOLLM)
     if root is None:

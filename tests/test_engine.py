@@ -7,7 +7,7 @@ import torch
 from stats_util import chi2_pvalue
 from tiny import make_engine, perturbed, tiny_qwen2
 
-import verispec.engine as engine_module
+import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
 from verispec.proposers.base import Draft
@@ -257,7 +257,7 @@ def test_bad_arguments(pair):
 
 def _exact_marginals(model, prompt: list[int], params: SamplingParams, steps: int) -> list[torch.Tensor]:
     """Marginal distribution of each of the first `steps` tokens under plain sampling, by enumeration."""
-    from verispec.sampling import probs_from_logits
+    from verispec.core.sampling import probs_from_logits
 
     V = model.config.vocab_size
     seqs = torch.tensor([prompt])  # [S, L]
@@ -310,7 +310,7 @@ def test_loop_marginals_with_cost_learning_rounds(small_vocab_pair):
     """k = auto from a fresh policy every generation: two plain rounds, a round that verifies a free guess (a
     filler round, q one-hot), the draft's timed step (reported as free here, so that it drafts), then model
     drafts. Tokens 1-5 follow the target's exact marginals (N = 3000, V = 8; false-failure probability 5e-4)."""
-    from verispec.adaptive import CostAwareK
+    from verispec.decoding.policies.cost_aware import CostAwareK
 
     target, draft = small_vocab_pair
     params, steps = SamplingParams(temperature=1.0), 5
@@ -354,7 +354,7 @@ def test_loop_negative_control_fails(small_vocab_pair, monkeypatch):
 def _quantized(model, mode):
     import copy
 
-    from verispec.quant import quantize_model
+    from verispec.backends.quant import quantize_model
 
     return quantize_model(copy.deepcopy(model), mode)
 

@@ -19,10 +19,10 @@ from stats_util import chi2_pvalue, total_variation
 from tiny import byte_tokenizer, make_engine, perturbed, tiny_qwen2
 
 from verispec.backends import HFModel
-from verispec.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeGenerator
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
-from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.text import TextAssembler
+from verispec.core.sampling import SamplingParams, probs_from_logits
+from verispec.pipeline.text import TextAssembler
 
 ALPHA = 1e-4
 N = 6000
@@ -153,7 +153,7 @@ def test_hybrid_drafter_under_sampling(pair):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantised_draft(pair, mode):
-    from verispec.quant import quantize_model
+    from verispec.backends.quant import quantize_model
 
     target, draft = pair
     params = SamplingParams(temperature=1.0)
@@ -165,7 +165,7 @@ def test_quantised_draft(pair, mode):
 def test_reduced_vocabulary_draft(pair):
     """The draft scores only tokens {0, 2, 3, 6} (q = 0 for the other four): those are reached only
     through the recovered distribution, and still at their exact rates."""
-    from verispec.vocab import restrict_head
+    from verispec.backends.vocab import restrict_head
 
     target, draft = pair
     params = SamplingParams(temperature=1.0)

@@ -8,8 +8,8 @@ import shlex
 
 import pytest
 
-from verispec.cli import main
-from verispec.export import AUTO_K, ExportSpec, Launch, export, locate
+from verispec.apps.cli import main
+from verispec.apps.export import AUTO_K, ExportSpec, Launch, export, locate
 
 PAIR = ExportSpec(target="/m/target", draft="/m/draft", k=5)
 
@@ -108,7 +108,7 @@ def test_known_names_resolve_to_the_cache(tmp_path, monkeypatch):
 
 
 def test_a_gguf_is_refused_for_vllm(tmp_path):
-    from verispec.models import ModelError
+    from verispec.names.models import ModelError
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"")

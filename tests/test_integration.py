@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from verispec.cli import main
-from verispec.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed
+from verispec.apps.cli import main
+from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +61,7 @@ def test_real_gguf_conversion(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verispec.models import GGUF_NAME, convert_gguf
+    from verispec.names.models import GGUF_NAME, convert_gguf
 
     _need("smollm2-135m-instruct")
     installed_dir = installed("smollm2-135m-instruct")

@@ -14,9 +14,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from verispec.backends import HFModel
 from verispec.backends import lean as lean_module
 from verispec.backends.lean import LeanModel, lean_unsupported
-from verispec.quant import quantize_model
-from verispec.sampling import SamplingParams
-from verispec.vocab import restrict_head
+from verispec.backends.quant import quantize_model
+from verispec.core.sampling import SamplingParams
+from verispec.backends.vocab import restrict_head
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:

@@ -1,4 +1,4 @@
-"""Oriented linear layers (verispec.linear): the same function as F.linear, only the order of the product."""
+"""Oriented linear layers (verispec.backends.linear): the same function as F.linear, only the order of the product."""
 
 import pytest
 import torch
@@ -8,16 +8,16 @@ from torch.nn import functional as F
 
 from verispec.backends import HFModel
 from verispec.backends.lean import LeanModel
-from verispec.build import DraftSpec, TargetSpec, build
-import verispec.linear
-from verispec.linear import ORIENT_MAX_ROWS, ORIENT_MIN_WEIGHT, OrientedLinear, linear, orient_linears, oriented
-from verispec.quant import Int4Linear
+from verispec.assembly.build import DraftSpec, TargetSpec, build
+import verispec.backends.linear
+from verispec.backends.linear import ORIENT_MAX_ROWS, ORIENT_MIN_WEIGHT, OrientedLinear, linear, orient_linears, oriented
+from verispec.backends.quant import Int4Linear
 
 
 @pytest.fixture
 def any_weight(monkeypatch):
     """Orient weights of every size (the tiny test models' are far under ORIENT_MIN_WEIGHT)."""
-    monkeypatch.setattr(verispec.linear, "ORIENT_MIN_WEIGHT", 0)
+    monkeypatch.setattr(verispec.backends.linear, "ORIENT_MIN_WEIGHT", 0)
 
 
 @pytest.mark.parametrize("shape", [(2, 48), (5, 48), (3, 4, 48), (1, 7, 48), (ORIENT_MAX_ROWS, 48)])
@@ -124,6 +124,6 @@ def test_a_fused_layer_is_judged_by_its_own_size(pair_dirs, monkeypatch):
     pipe = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"),
                  DraftSpec("model", draft, quant="none", forward="lean"), 4)
     layer = pipe.draft_model.net.layers[0]
-    monkeypatch.setattr(verispec.linear, "ORIENT_MIN_WEIGHT", layer.qkv.weight.numel())  # q alone is under it
+    monkeypatch.setattr(verispec.backends.linear, "ORIENT_MIN_WEIGHT", layer.qkv.weight.numel())  # q alone is under it
     assert type(layer.qkv) is OrientedLinear and oriented(layer.qkv.weight, 5)
     assert not oriented(layer.o.weight, 5)

@@ -15,8 +15,8 @@ import textwrap
 import pytest
 
 import verispec.backends.llamacpp as llamacpp
-from verispec.build import SpecError, TargetSpec, _check_exact_kernels
-from verispec.models import DEFAULT_TARGET, ModelError
+from verispec.assembly.build import SpecError, TargetSpec, _check_exact_kernels
+from verispec.names.models import DEFAULT_TARGET, ModelError
 
 VERISPEC_BUILD = ("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | VERISPEC_BUILD = 0123abcd | "
                   "VERISPEC_MULTICOL = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
@@ -127,7 +127,7 @@ def test_exact_kernels_are_llama_cpps_and_cover_k_up_to_15():
 _PASSES = textwrap.dedent("""
     import json, sys, torch
     from verispec.backends.llamacpp import LlamaCppModel, kernels, use_exact_kernels
-    from verispec.loading import resolve_gguf
+    from verispec.backends.loading import resolve_gguf
     name, context, exact = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "exact"
     if exact:
         use_exact_kernels()
@@ -146,7 +146,7 @@ _PASSES = textwrap.dedent("""
 
 
 def _passes(name: str, context: int, mode: str, **env: str) -> dict:
-    from verispec.models import installed
+    from verispec.names.models import installed
 
     if installed(name) is None:
         pytest.fail(f"{name} is not installed; run `make setup`")
@@ -192,13 +192,13 @@ def test_generate_with_exact_kernels_is_token_identical_to_plain_decoding():
     """`verispec generate --exact-kernels` on the default target on llama.cpp: the suffix drafter at a fixed
     k = 6 (every round a 7-token pass where a draft is found) against --no-speculation, on a prompt long
     enough for attention to split without exact kernels; --json says which kernels ran."""
-    from verispec.models import installed
+    from verispec.names.models import installed
 
     if installed(DEFAULT_TARGET) is None:
         pytest.fail(f"{DEFAULT_TARGET} is not installed; run `make setup`")
     prompt = "Rewrite this function with a loop instead of recursion, keeping its name:\n\n" + "\n".join(
         f"def f{i}(n):\n    return n if n < 2 else f{i}(n - 1) + f{i}(n - 2)\n" for i in range(12))
-    common = [sys.executable, "-m", "verispec.cli", "generate", "--target", DEFAULT_TARGET, "--backend", "llamacpp",
+    common = [sys.executable, "-m", "verispec.apps.cli", "generate", "--target", DEFAULT_TARGET, "--backend", "llamacpp",
               "--chat", "--prompt", prompt, "--max-new-tokens", "64", "--exact-kernels", "--json"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     outs = []

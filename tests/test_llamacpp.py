@@ -9,10 +9,10 @@ import pytest
 import torch
 from stats_util import chi2_pvalue
 
-import verispec.engine as engine_module
+import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
-from verispec.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeGenerator
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,7 @@ TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacc
 
 @pytest.fixture(scope="module")
 def paths():
-    from verispec.models import installed
+    from verispec.names.models import installed
 
     root = installed(NAME)
     if root is None:
@@ -136,8 +136,8 @@ def test_bad_input(llama):
 
 
 def test_missing_gguf_is_a_clear_error(tmp_path):
-    from verispec.loading import resolve_gguf
-    from verispec.models import ModelError
+    from verispec.backends.loading import resolve_gguf
+    from verispec.names.models import ModelError
 
     with pytest.raises(ModelError, match="GGUF"):
         resolve_gguf(str(tmp_path))
@@ -214,7 +214,7 @@ def test_auto_k_on_llama(llama, llama_draft, prompt):
 def _marginals(model, prompt: list[int], params: SamplingParams, steps: int = 2) -> list[torch.Tensor]:
     """Exact marginals of the first `steps` (<= 2) tokens under plain sampling from a Model (top-k keeps
     the enumeration small)."""
-    from verispec.sampling import probs_from_logits
+    from verispec.core.sampling import probs_from_logits
 
     model.reset()
     p1 = probs_from_logits(model.forward(torch.tensor(prompt), last_only=True), params)[0].double()
@@ -289,7 +289,7 @@ def engine_acceptance(engine, prompt) -> float:
 
 
 def test_cli_generate_llamacpp(capsys):
-    from verispec.cli import main
+    from verispec.apps.cli import main
 
     common = ["generate", "--target", NAME, "--draft", NAME, "--chat", "--prompt", "What is the capital of France?",
               "--max-new-tokens", "24", "--json"]
@@ -313,7 +313,7 @@ def test_cli_generate_llamacpp(capsys):
 def test_cli_bench_compares_llama_cpp_python_on_second_turns(capsys, tmp_path, warm):
     """`verispec bench --backend llamacpp --compare llama --turn 2` (cold and --warm-history): llama-cpp-python's
     own plain decoding of the same GGUF gives verispec plain's tokens, and every run measures its first token."""
-    from verispec.cli import main
+    from verispec.apps.cli import main
 
     mt = tmp_path / "mt.jsonl"
     mt.write_text("\n".join(json.dumps({"question_id": i, "category": "writing", "turns": turns}) for i, turns in
@@ -331,7 +331,7 @@ def test_cli_bench_compares_llama_cpp_python_on_second_turns(capsys, tmp_path, w
 
 
 def test_cli_llamacpp_bad_inputs(capsys, tmp_path):
-    from verispec.cli import main
+    from verispec.apps.cli import main
 
     not_gguf = tmp_path / "empty"
     not_gguf.mkdir()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from verispec import models
-from verispec.cli import main
-from verispec.loading import resolve
-from verispec.models import KnownModel, ModelError
+from verispec.names import models
+from verispec.apps.cli import main
+from verispec.backends.loading import resolve
+from verispec.names.models import KnownModel, ModelError
 
 CHUNKS = [os.urandom(3000), os.urandom(2500), os.urandom(17)]
 WHOLE = b"".join(CHUNKS)

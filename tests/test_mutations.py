@@ -21,12 +21,12 @@ import torch
 import test_exactness as exactness
 import test_verify
 
-import verispec.engine as engine_module
+import verispec.decoding.engine as engine_module
 import verispec.proposers.draft_model as draft_module
-from verispec import sampling, verify
+from verispec.core import sampling, verify
 from verispec.backends import HFModel
 from verispec.proposers import DraftModelProposer
-from verispec.sampling import SamplingParams
+from verispec.core.sampling import SamplingParams
 
 ALPHA = test_verify.ALPHA
 VERIFIER_PARAMS = SamplingParams(temperature=0.9)

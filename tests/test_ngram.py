@@ -8,7 +8,7 @@ from stats_util import chi2_pvalue
 from test_engine import _exact_marginals
 from tiny import make_engine, perturbed, tiny_qwen2
 
-import verispec.engine as engine_module
+import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.proposers.ngram import find_continuation
 
@@ -117,8 +117,8 @@ def test_hybrid_looks_up_once_per_round(monkeypatch):
 
     import verispec.proposers.ngram as ngram_module
     from verispec.proposers import HybridProposer, NgramProposer
-    from verispec.sampling import SamplingParams
-    from verispec.sequence import TokenSequence
+    from verispec.core.sampling import SamplingParams
+    from verispec.core.sequence import TokenSequence
 
     class NoModel:
         def start(self, *args):
@@ -144,8 +144,8 @@ def test_ngram_names_its_source_by_match_length():
     import torch
 
     from verispec.proposers import NgramProposer
-    from verispec.sampling import SamplingParams
-    from verispec.sequence import TokenSequence
+    from verispec.core.sampling import SamplingParams
+    from verispec.core.sequence import TokenSequence
 
     ngram = NgramProposer(max_ngram=4, min_ngram=1, min_confident=3)
     seq = TokenSequence([1, 2, 3, 4, 9, 1, 2, 3], 32, torch.device("cpu"))

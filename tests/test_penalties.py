@@ -12,7 +12,7 @@ from stats_util import chi2_pvalue
 from tiny import make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
-from verispec.sampling import count_rows, probs_from_logits, process_logits, token_counts
+from verispec.core.sampling import count_rows, probs_from_logits, process_logits, token_counts
 
 ALPHA = 1e-4
 PROMPT = [3, 1, 2]
@@ -151,10 +151,10 @@ def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pai
     what plain decoding computes at each of those positions (its own counts, its own position)."""
     from verispec.backends import HFModel
     from verispec.proposers import DraftModelProposer
-    from verispec.sampling import make_generator
-    from verispec.sequence import TokenSequence
+    from verispec.core.sampling import make_generator
+    from verispec.core.sequence import TokenSequence
 
-    from verispec.engine import target_rows
+    from verispec.decoding.engine import target_rows
 
     target, draft = small_vocab_pair
     generated = [4, 4, 6]
@@ -192,7 +192,7 @@ def test_penalised_loop_marginals_match_target(small_vocab_pair):
 def test_penalised_loop_negative_control(small_vocab_pair, monkeypatch):
     """The same test fails when every verify row gets the committed counts only (the drafts before a row
     not counted): exactness needs the per-row counts."""
-    import verispec.engine as engine_module
+    import verispec.decoding.engine as engine_module
 
     monkeypatch.setattr(engine_module, "count_rows", lambda c, tokens: c.unsqueeze(0).repeat(tokens.numel() + 1, 1))
     target, draft = small_vocab_pair

@@ -9,8 +9,8 @@ import pytest
 import torch
 from stats_util import chi2_pvalue
 
-from verispec import sampling
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.core import sampling
+from verispec.core.sampling import SamplingParams, probs_from_logits, sample
 
 
 def nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +124,7 @@ def test_sample_is_seeded():
 
 def test_greedy_tokens_is_torch_argmax():
     """The CPU fast path (numpy) picks what torch.argmax picks: the first index on ties, NaN as the max."""
-    from verispec.sampling import greedy_tokens
+    from verispec.core.sampling import greedy_tokens
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 151936, generator=gen)

@@ -17,7 +17,7 @@ import pytest
 from server_util import ServerProcess, metric
 from tiny import save_tiny_pair
 
-from verispec.cli import main
+from verispec.apps.cli import main
 
 MODEL = "tiny"
 
@@ -279,7 +279,7 @@ def _in_process_app(target_dir: str, tokenizer=None, max_batch: int = 1):
     from transformers import AutoModelForCausalLM
 
     import verispec
-    from verispec.server.app import ServerSettings, create_app
+    from verispec.apps.server.app import ServerSettings, create_app
 
     model = AutoModelForCausalLM.from_pretrained(target_dir).float().eval()
     pipeline = verispec.load(model, tokenizer=tokenizer or byte_tokenizer(), drafter=None)
@@ -359,8 +359,8 @@ def test_a_job_submitted_as_the_worker_dies_is_refused_not_stranded(monkeypatch)
     import asyncio
     from types import SimpleNamespace
 
-    from verispec.sampling import SamplingParams
-    from verispec.server.worker import Job, ShuttingDown, Worker
+    from verispec.core.sampling import SamplingParams
+    from verispec.apps.server.worker import Job, ShuttingDown, Worker
 
     gauge = SimpleNamespace(set=lambda value: None)
     worker = Worker(SimpleNamespace(), max_queue=4, metrics=SimpleNamespace(waiting=gauge, running=gauge))
@@ -385,7 +385,7 @@ def test_a_failed_batch_round_answers_its_jobs_and_serving_goes_on(pair_dirs, mo
     stays ok and the next request is answered in full."""
     import asyncio
 
-    from verispec.batch import BatchGenerator
+    from verispec.decoding.batch import BatchGenerator
 
     _, app = _in_process_app(pair_dirs[0], max_batch=2)
     real, calls = BatchGenerator.step, []
@@ -434,8 +434,8 @@ def test_load_script(pair_dirs, tmp_path):
 
 
 def test_allowed_hosts_follow_the_bind_address():
-    from verispec.cli import _allowed_hosts, _is_loopback
-    from verispec.server.guard import host_name
+    from verispec.apps.cli import _allowed_hosts, _is_loopback
+    from verispec.apps.server.guard import host_name
 
     assert _allowed_hosts("127.0.0.1", None) == ("127.0.0.1", "localhost", "::1")
     assert _allowed_hosts("0.0.0.0", None) == ("*",)
@@ -452,7 +452,7 @@ def test_concurrent_requests_share_rounds_and_stay_exact(server, client):
     a client that leaves mid-batch takes nothing from the others."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from verispec.cli import DEFAULT_MAX_BATCH
+    from verispec.apps.cli import DEFAULT_MAX_BATCH
 
     slots = httpx.get(server.url + "/v1/models").json()["data"][0]["verispec"]["max_batch"]
     assert slots == DEFAULT_MAX_BATCH

@@ -11,12 +11,12 @@ from stats_util import chi2_pvalue
 from test_engine import _exact_marginals
 from tiny import tiny_qwen2
 
-import verispec.engine as engine_module
+import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
-from verispec.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeGenerator
 from verispec.proposers.suffix import SuffixProposer, SuffixTrie, _Text
-from verispec.sequence import TokenSequence
+from verispec.core.sequence import TokenSequence
 
 ALPHA = 1e-4
 REPETITIVE = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]

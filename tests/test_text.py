@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny import byte_tokenizer
 
-from verispec.text import TextAssembler, encode_messages, encode_prompt
+from verispec.pipeline.text import TextAssembler, encode_messages, encode_prompt
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny import make_engine, perturbed, tiny_qwen2
 
-from verispec.timing import Clock, sync
+from verispec.core.timing import Clock, sync
 
 
 class StageClock:

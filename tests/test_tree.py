@@ -1,4 +1,4 @@
-"""Token-tree speculation (verispec.tree, proposers/tree.py, tree_budget.py): exact at every depth."""
+"""Token-tree speculation (verispec.core.tree, proposers/tree.py, tree_budget.py): exact at every depth."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from test_engine import ALPHA, _exact_marginals
 from tiny import make_engine, perturbed, text_pair, tiny_qwen2
 
 import verispec
-from verispec import engine as engine_module
+from verispec.decoding import engine as engine_module
 from verispec.backends.lean import LeanModel
-from verispec.engine import SpeculativeGenerator, target_rows
-from verispec.policy import RoundReport, RoundView
-from verispec.proposers.tree import TreeDraftModel
-from verispec.sampling import SamplingParams, sample
-from verispec.sequence import TokenSequence
-from verispec.tree import ROOT, TokenTree, tree_rows, verify_tree
-from verispec.tree_budget import AcceptedTable, TreeBudget, VerifyCost
+from verispec.decoding.engine import SpeculativeGenerator, target_rows
+from verispec.decoding.policies.base import RoundReport, RoundView
+from verispec.proposers.tree_draft import TreeDraftModel
+from verispec.core.sampling import SamplingParams, sample
+from verispec.core.sequence import TokenSequence
+from verispec.core.tree import ROOT, TokenTree, tree_rows, verify_tree
+from verispec.decoding.policies.tree_budget import AcceptedTable, TreeBudget, VerifyCost
 
 EOS = 7
 
@@ -239,7 +239,7 @@ def test_tree_marginals_match_target(small_vocab_pair, params):
 
 def _penalised_marginals(model, prompt, params, steps):
     """As _exact_marginals, with the penalties' per-sequence presence and counts (enumerated sequences)."""
-    from verispec.sampling import probs_from_logits, token_counts
+    from verispec.core.sampling import probs_from_logits, token_counts
 
     V = model.config.vocab_size
     seqs, weights, marginals = [prompt], [1.0], []
@@ -386,7 +386,7 @@ def test_load_with_the_tree_drafter_matches_plain_greedy():
 
 
 def test_tree_flags_refuse_what_they_cannot_do(capsys):
-    from verispec.cli import main
+    from verispec.apps.cli import main
 
     assert main(["generate", "--prompt", "x", "--tree", "--drafter", "ngram"]) == 2
     assert "--tree drafts with the draft model" in capsys.readouterr().err
@@ -403,7 +403,7 @@ def test_server_serves_trees_one_at_a_time():
 
     import httpx
 
-    from verispec.server.app import ServerSettings, create_app
+    from verispec.apps.server.app import ServerSettings, create_app
 
     target, draft, tok = text_pair()
     pipe = verispec.load(target, draft, tokenizer=tok, drafter="tree", draft_quant="none")

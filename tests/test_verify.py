@@ -6,9 +6,9 @@ import pytest
 import torch
 from stats_util import chi2_pvalue, total_variation
 
-from verispec.sampling import SamplingParams, probs_from_logits
-from verispec import verify
-from verispec.verify import (
+from verispec.core.sampling import SamplingParams, probs_from_logits
+from verispec.core import verify
+from verispec.core.verify import (
     acceptance_probability,
     greedy_verify,
     recovery_distribution,

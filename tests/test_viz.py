@@ -14,9 +14,9 @@ from server_util import ServerProcess
 from tiny import save_tiny_pair, text_pair
 
 import verispec
-from verispec.cli import main
-from verispec.provenance import DRAFT, TARGET
-from verispec.text import REPLACEMENT
+from verispec.apps.cli import main
+from verispec.pipeline.provenance import DRAFT, TARGET
+from verispec.pipeline.text import REPLACEMENT
 
 PROMPT = "The quick brown fox"
 MODEL, KEY = "tiny", "viz-key"
@@ -88,7 +88,7 @@ def test_stop_string_held_back_text_keeps_its_counts(pipe):
 
 
 def test_chatbot_pieces_add_up(pipe):
-    from verispec.chat import ChatBot
+    from verispec.apps.chat import ChatBot
 
     bot = ChatBot(pipe, max_new_tokens=30)
     pieces = list(bot.stream_pieces("hello"))
@@ -207,11 +207,11 @@ def test_chat_color_flag(pair_dirs, capsys, monkeypatch):
 def test_bench_report_has_per_round_data_for_the_plots(pair_dirs, tmp_path):
     """Accepted lengths per round add up to the accepted drafts and rounds; the timeline ends at each run's
     token count; k = auto's mean k counts its plain rounds; the five plots are written."""
-    from verispec.bench.harness import Bench, Config, run_benchmark
-    from verispec.bench.loader import load_prompts, select
-    from verispec.bench.report import PLOTS, build_report, write_plots
-    from verispec.build import DraftSpec, TargetSpec
-    from verispec.sampling import SamplingParams
+    from verispec.apps.bench.harness import Bench, Config, run_benchmark
+    from verispec.apps.bench.loader import load_prompts, select
+    from verispec.apps.bench.report import PLOTS, build_report, write_plots
+    from verispec.assembly.build import DraftSpec, TargetSpec
+    from verispec.core.sampling import SamplingParams
 
     target, draft = pair_dirs
     bench = Bench(TargetSpec(target, device="cpu", dtype="fp32"), DraftSpec("model", draft))

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verispec.backends import HFModel
-from verispec.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeGenerator
 from verispec.proposers import DraftModelProposer
 
 

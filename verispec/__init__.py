@@ -9,24 +9,24 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from verispec.engine import GenerationResult, SpeculativeGenerator
-from verispec.metrics import SpecStats
-from verispec.sampling import SamplingParams
+from verispec.decoding.engine import GenerationResult, SpeculativeGenerator
+from verispec.decoding.stats import SpecStats
+from verispec.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from verispec.build import DraftSpec, ModelStore, SpecError, TargetSpec, build, load
-    from verispec.chat import ChatBot
-    from verispec.models import ModelError
-    from verispec.pipeline import Completion, Pipeline, TextStream
+    from verispec.assembly.build import DraftSpec, ModelStore, SpecError, TargetSpec, build, load
+    from verispec.apps.chat import ChatBot
+    from verispec.names.models import ModelError
+    from verispec.pipeline.pipeline import Completion, Pipeline, TextStream
 
 __version__ = "0.1.0"
 
 # imported on first use: they bring in transformers, which the command line's light paths do without
 _LAZY = {
-    "DraftSpec": "verispec.build", "ModelStore": "verispec.build", "SpecError": "verispec.build",
-    "TargetSpec": "verispec.build", "build": "verispec.build", "load": "verispec.build", "ChatBot": "verispec.chat",
-    "ModelError": "verispec.models", "Completion": "verispec.pipeline", "Pipeline": "verispec.pipeline",
-    "TextStream": "verispec.pipeline",
+    "DraftSpec": "verispec.assembly.build", "ModelStore": "verispec.assembly.build", "SpecError": "verispec.assembly.build",
+    "TargetSpec": "verispec.assembly.build", "build": "verispec.assembly.build", "load": "verispec.assembly.build", "ChatBot": "verispec.apps.chat",
+    "ModelError": "verispec.names.models", "Completion": "verispec.pipeline.pipeline", "Pipeline": "verispec.pipeline.pipeline",
+    "TextStream": "verispec.pipeline.pipeline",
 }
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec.models import ModelError
+from verispec.names.models import ModelError
 
 EXACT_WIDTH = 16  # the widest pass the batch-invariant kernels cover: k + 1 tokens, so k <= 15
 ENV_EXACT = "VERISPEC_GGML_EXACT"  # the patch's process-wide switches, read when llama.cpp first computes
@@ -144,7 +144,7 @@ def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch:
 
 def eog_ids_of_gguf(path: str) -> list[int]:
     """The token ids llama.cpp ends generation at for a GGUF (`llama_vocab_is_eog`), from its vocabulary
-    alone (no weights loaded). verispec.loading.eog_token_ids reproduces llama.cpp's rule for every backend;
+    alone (no weights loaded). verispec.backends.loading.eog_token_ids reproduces llama.cpp's rule for every backend;
     this is what it is checked against."""
     llama_cpp = import_llama_cpp()
     params = llama_cpp.llama_model_default_params()

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from verispec.sampling import SamplingParams
-from verispec.sequence import TokenSequence
+from verispec.core.sampling import SamplingParams
+from verispec.core.sequence import TokenSequence
 
 if TYPE_CHECKING:
-    from verispec.tree import TokenTree
+    from verispec.core.tree import TokenTree
 
 
 @dataclass

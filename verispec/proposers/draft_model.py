@@ -8,7 +8,7 @@ import torch
 
 from verispec.backends.base import Model, common_prefix_length
 from verispec.proposers.base import Draft
-from verispec.sampling import (
+from verispec.core.sampling import (
     SamplingParams,
     count_rows,
     greedy_tokens,
@@ -18,7 +18,7 @@ from verispec.sampling import (
     sample,
     token_counts,
 )
-from verispec.sequence import TokenSequence
+from verispec.core.sequence import TokenSequence
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

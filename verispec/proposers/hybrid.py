@@ -9,8 +9,8 @@ from verispec.proposers.base import Draft
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.proposers.suffix import SuffixProposer
-from verispec.sampling import SamplingParams
-from verispec.sequence import TokenSequence
+from verispec.core.sampling import SamplingParams
+from verispec.core.sequence import TokenSequence
 
 
 Lookup = NgramProposer | SuffixProposer

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from verispec.proposers.base import Draft
-from verispec.sampling import SamplingParams
-from verispec.sequence import TokenSequence
+from verispec.core.sampling import SamplingParams
+from verispec.core.sequence import TokenSequence
 
 
 def find_match(tokens: list[int], max_ngram: int, min_ngram: int) -> tuple[int, int]:

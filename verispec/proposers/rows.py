@@ -1,4 +1,4 @@
-"""Drafters for a batch of sequences, one per slot of the batch engine (verispec.batch).
+"""Drafters for a batch of sequences, one per slot of the batch engine (verispec.decoding.batch).
 
 `RowDrafter` is what the batch engine asks of a drafter: the single-sequence proposer protocol with a slot
 in front, and `propose` over all the round's rows at once. `BatchDraftModel` runs a draft LM over a
@@ -18,9 +18,9 @@ import torch
 from verispec.backends.lean import LeanBatch
 from verispec.proposers.base import Draft, Proposer
 from verispec.proposers.draft_model import after_token, align_vocab, draft_token
-from verispec.quant import PACKED_MAX_ROWS
-from verispec.sampling import SamplingParams, token_counts
-from verispec.sequence import TokenSequence
+from verispec.backends.quant import PACKED_MAX_ROWS
+from verispec.core.sampling import SamplingParams, token_counts
+from verispec.core.sequence import TokenSequence
 
 # a round's request of a row: (slot, its committed sequence, k)
 RowRequest = tuple[int, TokenSequence, int]
@@ -120,7 +120,7 @@ class BatchDraftModel:
 
     def _step(self, slots: list[int], feeds: list[torch.Tensor]) -> list[torch.Tensor]:
         """One draft step over the rows, in forwards of at most PACKED_MAX_ROWS token rows: a quantised
-        draft's packed kernels then compute every row as they would alone (see verispec.quant), so a row's q
+        draft's packed kernels then compute every row as they would alone (see verispec.backends.quant), so a row's q
         never depends on how many rows share the step."""
         per_forward = max(1, PACKED_MAX_ROWS // max(f.numel() for f in feeds))
         logits = []

@@ -32,8 +32,8 @@ from collections.abc import Iterable
 import torch
 
 from verispec.proposers.base import Draft
-from verispec.sampling import SamplingParams
-from verispec.sequence import TokenSequence
+from verispec.core.sampling import SamplingParams
+from verispec.core.sequence import TokenSequence
 
 
 class _Text:

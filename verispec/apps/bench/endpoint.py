@@ -1,0 +1,371 @@
+"""Benchmark any OpenAI-compatible server on the bench's prompt sets: `verispec serve`, vLLM, SGLang,
+llama.cpp's llama-server, llama-cpp-python's server.
+
+Each prompt is one streaming request (`stream_options.include_usage`), timed on this side:
+- time to first token (TTFT): request sent -> first non-empty content delta;
+- total: request sent -> end of the stream; tokens/s = completion tokens / total;
+- decode tokens/s: the tokens after the first over the time after the first.
+Completion tokens come from the server's own usage counts; a server that sends none in a stream has its
+content deltas counted instead, and the run says so (`usage`: "server" | "counted"). Speculation stats come
+from verispec's `verispec` extension object, or from vLLM's Prometheus counters
+(vllm:spec_decode_num_draft_tokens_total, vllm:spec_decode_num_accepted_tokens_total, vllm:spec_decode_num_drafts_total)
+read before and after the request. Endpoints run interleaved, prompt by prompt, in a rotating order; the first
+endpoint is the baseline every other one's speedup is measured against, prompt by prompt. A failed prompt
+is a failed row with its one-line reason; the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+
+from verispec.apps.bench.loader import Prompt, answer_history
+
+VLLM_COUNTERS = {"vllm:spec_decode_num_draft_tokens_total": "drafted",
+                 "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+                 "vllm:spec_decode_num_drafts_total": "rounds"}
+
+
+class EndpointError(RuntimeError):
+    """A one-line, user-facing error: the endpoint cannot be benchmarked at all."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    base_url: str  # ends in /v1
+    model: str | None = None  # None: the first model the server lists
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        parsed = urlparse(self.base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"endpoint URL must be http(s)://host:port[/v1], got {self.base_url!r}")
+        if not self.name:
+            raise ValueError("an endpoint needs a name")
+
+    @property
+    def root(self) -> str:
+        return self.base_url[: -len("/v1")]
+
+
+def parse_endpoint(text: str, api_key: str | None = None) -> Endpoint:
+    """'URL' or 'NAME=URL' (URL: http(s)://host:port, with or without /v1); the name defaults to host:port."""
+    name, sep, url = text.partition("=")
+    if not sep or "://" in name:
+        name, url = "", text
+    url = url.strip().rstrip("/")
+    if not url.endswith("/v1"):
+        url += "/v1"
+    return Endpoint(name.strip() or urlparse(url).netloc, url, api_key=api_key)
+
+
+@dataclass
+class EndpointRun:
+    prompt_id: str
+    category: str
+    config: str
+    new_tokens: int = 0
+    seconds: float = 0.0
+    ttft: float | None = None
+    prompt_tokens: int | None = None
+    usage: str = "server"  # or "counted": the server sent no usage, content deltas were counted
+    finish_reason: str | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    rounds: int | None = None
+    error: str | None = None
+    speedup: float | None = None  # tokens/s over the baseline endpoint's on the same prompt
+    text: str = field(default="", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.ok and self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        if not self.ok or self.ttft is None or self.new_tokens < 2 or self.seconds <= self.ttft:
+            return None
+        return (self.new_tokens - 1) / (self.seconds - self.ttft)
+
+
+# -- the wire ------------------------------------------------------------------------------------
+
+def request_for(prompt: Prompt, model: str, sampling: dict, max_tokens: int) -> tuple[str, dict]:
+    """The streaming request for a prompt: chat prompts to /chat/completions, raw ones (HumanEval) to
+    /completions."""
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            **sampling}
+    if prompt.chat:
+        return "/chat/completions", body | {"messages": prompt.messages()}
+    return "/completions", body | {"prompt": prompt.text}
+
+
+def sse_events(lines: Iterable[str]) -> Iterator[dict]:
+    """The JSON objects of a server-sent event stream, up to `data: [DONE]`."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            raise EndpointError(f"not an OpenAI stream: undecodable event {data[:60]!r}") from None
+        if not isinstance(event, dict):
+            raise EndpointError(f"not an OpenAI stream: event {data[:60]!r}")
+        yield event
+
+
+def _delta_text(event: dict) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:
+        return (choice["delta"] or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+def consume(events: Iterable[dict], run: EndpointRun, t0: float, clock: Callable[[], float]) -> None:
+    """Fill a run from a stream's events: text, TTFT, usage, finish reason, verispec's speculation stats."""
+    deltas, usage_seen = 0, False
+    pieces: list[str] = []
+    for event in events:
+        if "error" in event:
+            err = event["error"]
+            raise EndpointError(f"server error: {err.get('message', err) if isinstance(err, dict) else err}")
+        piece = _delta_text(event)
+        if piece:
+            if run.ttft is None:
+                run.ttft = clock() - t0
+            deltas += 1
+            pieces.append(piece)
+        for choice in event.get("choices") or []:
+            run.finish_reason = choice.get("finish_reason") or run.finish_reason
+        if event.get("usage"):
+            usage_seen = True
+            run.new_tokens = int(event["usage"].get("completion_tokens", 0))
+            run.prompt_tokens = event["usage"].get("prompt_tokens")
+        if isinstance(event.get("verispec"), dict):
+            ext = event["verispec"]
+            run.drafted, run.accepted, run.rounds = ext.get("drafted"), ext.get("accepted"), ext.get("rounds")
+    run.seconds = clock() - t0
+    run.text = "".join(pieces)
+    if not usage_seen:
+        run.usage, run.new_tokens = "counted", deltas
+
+
+def _headers(endpoint: Endpoint) -> dict:
+    return {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+
+
+def _one_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def run_prompt(client: httpx.Client, endpoint: Endpoint, model: str, prompt: Prompt, sampling: dict,
+               max_tokens: int, counters: bool = False,
+               clock: Callable[[], float] = time.perf_counter) -> EndpointRun:
+    """One streamed request; any failure becomes a failed run with a one-line reason. `counters`: read the
+    server's speculation counters before and after."""
+    run = EndpointRun(prompt.id, prompt.category, endpoint.name)
+    path, body = request_for(prompt, model, sampling, max_tokens)
+    before = spec_counters(client, endpoint) if counters else None
+    try:
+        t0 = clock()
+        with client.stream("POST", endpoint.base_url + path, json=body, headers=_headers(endpoint)) as response:
+            if response.status_code != 200:
+                response.read()
+                raise EndpointError(f"HTTP {response.status_code}: {response.text.strip()[:200]}")
+            consume(sse_events(response.iter_lines()), run, t0, clock)
+    except (httpx.HTTPError, EndpointError, ValueError, TypeError, AttributeError) as exc:
+        return EndpointRun(prompt.id, prompt.category, endpoint.name, error=_one_line(exc))
+    if before is not None and run.drafted is None:
+        after = spec_counters(client, endpoint) or {}
+        run.drafted, run.accepted, run.rounds = (int(after.get(k, 0) - before.get(k, 0))
+                                                 for k in ("drafted", "accepted", "rounds"))
+    return run
+
+
+def parse_prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
+    """Sum each named counter over its label sets: {our key: value}."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        metric, _, value = line.rpartition(" ")
+        key = names.get(metric.split("{", 1)[0].strip())
+        if key is not None:
+            try:
+                found[key] = found.get(key, 0.0) + float(value)
+            except ValueError:
+                continue
+    return found
+
+
+def spec_counters(client: httpx.Client, endpoint: Endpoint) -> dict[str, float] | None:
+    """vLLM's speculation counters from the server's /metrics, or None where it has none."""
+    try:
+        response = client.get(endpoint.root + "/metrics", headers=_headers(endpoint), timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    found = parse_prometheus(response.text, VLLM_COUNTERS)
+    return found if "drafted" in found else None
+
+
+def served_model(client: httpx.Client, endpoint: Endpoint) -> str:
+    """The model to ask for: the endpoint's own, else the first the server lists at /v1/models."""
+    url = endpoint.base_url + "/models"
+    try:
+        response = client.get(url, headers=_headers(endpoint), timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise EndpointError(f"{endpoint.name}: cannot reach {url}: {_one_line(exc)}") from None
+    try:
+        listed = [m["id"] for m in response.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        listed = None
+    if response.status_code != 200 or not listed:
+        raise EndpointError(f"{endpoint.name}: {url} answered HTTP {response.status_code} without a model list: "
+                            "not an OpenAI-compatible server")
+    return endpoint.model or listed[0]
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+def _greedy_answer(client: httpx.Client, endpoint: Endpoint, model: str, prompt: Prompt, max_tokens: int) -> str:
+    """The endpoint's greedy answer to a prompt (an earlier turn of a timed conversation; not recorded)."""
+    run = run_prompt(client, endpoint, model, prompt, {"temperature": 0.0}, max_tokens)
+    if not run.ok:
+        raise EndpointError(f"{endpoint.name}: answering an earlier turn failed: {run.error}")
+    return run.text
+
+
+def run_endpoints(endpoints: list[Endpoint], prompts: list[Prompt], sampling: dict, max_tokens: int,
+                  warmup: int = 1, timeout: float = 600.0,
+                  on_run: Callable[[EndpointRun], None] | None = None) -> tuple[list[EndpointRun], dict[str, str]]:
+    """Every prompt on every endpoint, interleaved (prompt i starts at endpoint i mod n); the warm-up requests
+    (the first prompt, `warmup` times per endpoint) are not recorded. A prompt's earlier turns are answered
+    first by the first endpoint (greedy, not recorded), so that every endpoint gets the same conversation.
+    Returns the runs and each endpoint's model."""
+    names = [e.name for e in endpoints]
+    if len(set(names)) != len(names):
+        raise ValueError(f"endpoint names must differ, got {names} (name them NAME=URL)")
+    with httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0)) as client:
+        models = {e.name: served_model(client, e) for e in endpoints}
+        counters = {e.name: spec_counters(client, e) is not None for e in endpoints}
+        baseline = endpoints[0]
+        prompts = answer_history(
+            prompts, lambda p: _greedy_answer(client, baseline, models[baseline.name], p, max_tokens))
+        for e in endpoints:
+            for _ in range(warmup):
+                run_prompt(client, e, models[e.name], prompts[0], sampling, max_tokens)
+        runs = []
+        for i, prompt in enumerate(prompts):
+            for j in range(len(endpoints)):
+                e = endpoints[(i + j) % len(endpoints)]
+                runs.append(run_prompt(client, e, models[e.name], prompt, sampling, max_tokens, counters[e.name]))
+                if on_run:
+                    on_run(runs[-1])
+    _set_speedups(runs, endpoints[0].name)
+    return runs, models
+
+
+def _set_speedups(runs: list[EndpointRun], baseline: str) -> None:
+    base = {r.prompt_id: r for r in runs if r.config == baseline and r.ok}
+    for r in runs:
+        b = base.get(r.prompt_id)
+        if r.ok and b is not None and b.tokens_per_second > 0:
+            r.speedup = r.tokens_per_second / b.tokens_per_second
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+def summarize(runs: list[EndpointRun], name: str) -> dict:
+    """One endpoint's runs (any subset): pooled tokens/s (total tokens / total seconds), pooled decode tokens/s,
+    median TTFT and total time, speedups over the baseline endpoint, acceptance where the server reports it."""
+    mine = [r for r in runs if r.config == name]
+    ok = [r for r in mine if r.ok]
+    out: dict = {"prompts": len(mine), "failed": len(mine) - len(ok), "new_tokens": sum(r.new_tokens for r in ok)}
+    seconds = sum(r.seconds for r in ok)
+    out["tokens_per_second"] = out["new_tokens"] / seconds if seconds else 0.0
+    decoding = [r for r in ok if r.decode_tokens_per_second is not None]
+    after_first = sum(r.seconds - r.ttft for r in decoding)
+    out["decode_tokens_per_second"] = (sum(r.new_tokens - 1 for r in decoding) / after_first
+                                       if after_first else None)
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    out["ttft_median"] = statistics.median(ttfts) if ttfts else None
+    out["seconds_median"] = statistics.median([r.seconds for r in ok]) if ok else None
+    out["usage"] = sorted({r.usage for r in ok})
+    speedups = [r.speedup for r in ok if r.speedup is not None]
+    if speedups:
+        out["speedup_median"] = statistics.median(speedups)
+    drafted = [r for r in ok if r.drafted]
+    if drafted:
+        d, a = sum(r.drafted for r in drafted), sum(r.accepted or 0 for r in drafted)
+        rounds = sum(r.rounds or 0 for r in drafted)
+        out["acceptance_rate"] = a / d
+        out["mean_accepted_length"] = (a + rounds) / rounds if rounds else None
+    return out
+
+
+def build_endpoint_report(runs: list[EndpointRun], endpoints: list[Endpoint], models: dict[str, str],
+                          meta: dict) -> dict:
+    """The same document as a local bench: meta, categories, configs (kind "endpoint"; the first is the
+    baseline), runs."""
+    categories = list(OrderedDict.fromkeys(r.category for r in runs))
+    report = dict(meta, baseline=endpoints[0].name, categories=categories, configs=[])
+    for e in endpoints:
+        report["configs"].append({
+            "name": e.name, "kind": "endpoint", "url": e.base_url, "model": models.get(e.name),
+            "overall": summarize(runs, e.name),
+            "by_category": {c: summarize([r for r in runs if r.category == c], e.name) for c in categories},
+        })
+    report["runs"] = [{k: v for k, v in r.__dict__.items() if k != "text"}
+                      | {"tokens_per_second": r.tokens_per_second,
+                         "decode_tokens_per_second": r.decode_tokens_per_second} for r in runs]
+    report["failures"] = [f"{r.config} {r.prompt_id}: {r.error}" for r in runs if not r.ok]
+    return report
+
+
+def _fmt(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def render_endpoint_table(report: dict):
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"verispec bench: endpoints ({report.get('sampling')}, max {report.get('max_new_tokens')} "
+                        f"new tokens; speedup over {report.get('baseline')}, prompt by prompt)")
+    for col in ("endpoint", "category", "prompts", "failed", "tok/s", "decode tok/s", "TTFT (median)",
+                "total (median)", "speedup (median)", "accept", "mean len", "tokens from"):
+        table.add_column(escape(col), justify="left" if col in ("endpoint", "category", "tokens from") else "right")
+    for entry in report["configs"]:
+        for cat, s in [("all", entry["overall"])] + list(entry["by_category"].items()):
+            baseline = entry["name"] == report.get("baseline")
+            table.add_row(
+                escape(entry["name"]) if cat == "all" else "", escape(cat), str(s["prompts"]), str(s["failed"]),
+                f"{s['tokens_per_second']:.2f}", _fmt(s["decode_tokens_per_second"], "{:.2f}"),
+                _fmt(s["ttft_median"], "{:.3f}s"), _fmt(s["seconds_median"], "{:.2f}s"),
+                "1.00x (baseline)" if baseline else _fmt(s.get("speedup_median"), "{:.2f}x"),
+                _fmt(s.get("acceptance_rate"), "{:.1%}"), _fmt(s.get("mean_accepted_length"), "{:.2f}"),
+                escape(",".join(s["usage"]) or "-"),
+            )
+        table.add_section()
+    return table

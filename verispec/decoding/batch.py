@@ -1,0 +1,290 @@
+"""Batched speculative decoding: many sequences, each round's target pass shared by all of them.
+
+A `BatchGenerator` holds up to `max_batch` requests, one per slot of a `LeanBatch` target (one padded KV
+cache, a length per slot: see verispec.backends.lean for why that layout). A round is the single-sequence
+round (verispec.decoding.engine) done for every active row at once:
+
+  each row's k policy plans its k -> the drafter drafts every row (a draft model batches its steps over the
+  rows) -> ONE target forward over every row's [last committed, d_1 .. d_k] (ragged) -> each row verified on
+  its own (its own sampling settings and generator, the same `verify`/`commit` as a lone sequence) -> each
+  slot rolled back to its committed tokens (O(1)).
+
+Every row feeds the target what its cache has not seen yet: the last committed token, or, for a request that
+just joined, its whole prompt. So a joining request's prefill rides in the next round's shared pass (the rows
+are packed side by side there, not padded: see verispec.backends.lean) instead of stalling every running row
+for a forward of its own; prompts are fed at most `prefill_chunk` tokens per round in all (the oldest
+request's first, so a long prompt delays the prompts that came after it, never the rows decoding). A draft
+model prefills a prompt whole, in its first draft (see verispec.proposers.rows). Requests join between rounds
+(`add`) and leave when they finish or are cancelled; active requests are kept in the lowest slots (a leaving
+row's slot is filled by moving the last row's cache into it), so the target reads the batch's caches as one
+view. Exactness is per row: a row's tokens depend on its own prompt, settings and generator only, never on its
+batch mates.
+
+The k of "auto" in a batch is a fixed `BATCH_AUTO_K`: the cost-aware policy prices a lone sequence's target
+pass, and in a batch that pass is shared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.backends.lean import LeanBatch
+from verispec.decoding.engine import (
+    Committed,
+    GenerationResult,
+    StopFn,
+    TokenLogprob,
+    commit,
+    cut_at_stop,
+    verify,
+)
+from verispec.decoding.policies.base import FixedK, RoundReport, RoundView
+from verispec.proposers.base import Draft
+from verispec.proposers.rows import RowDrafter, no_draft
+from verispec.core.sampling import SamplingParams, make_generator
+from verispec.core.sequence import TokenSequence
+from verispec.core.timing import sync
+
+BATCH_AUTO_K = 4
+PREFILL_CHUNK = 512  # prompt tokens a round feeds at most, over all the rows still being prefilled
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One sequence in a batch. `result` fills as rounds commit; `done` once it finished or was cancelled."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    policy: FixedK
+    stop: StopFn | None
+    stop_ids: frozenset[int]
+    result: GenerationResult
+    top_logprobs: int | None = None
+    done: bool = False
+    slot: int = -1
+    seq: TokenSequence | None = None
+    generator: torch.Generator | None = None
+    logprobs: list[TokenLogprob] | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class BatchGenerator:
+    """Continuous batching of speculative decoding over one target and one drafter (None: plain decoding).
+    `prepare` is the single-sequence engine's request check (a SpeculativeGenerator's `prepare`), so that a
+    request means the same in a batch and alone."""
+
+    def __init__(
+        self,
+        target: LeanBatch,
+        drafter: RowDrafter | None,
+        prepare: Callable,
+        num_draft_tokens: int | str = 4,
+        max_length: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.target = target
+        self.prefill_chunk = prefill_chunk
+        self.drafter = drafter
+        self.prepare = prepare
+        self.num_draft_tokens = num_draft_tokens
+        self.max_batch = target.slots
+        self.max_length = min(target.max_length, max_length or target.max_length)  # the pair's context
+        self.device = target.device
+        self.active: list[BatchRequest] = []  # active[i] holds slot i
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.active)
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        num_draft_tokens: int | str | None = None,
+        stop: StopFn | None = None,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+    ) -> BatchRequest:
+        """Admit a request into a free slot (ValueError: a bad request; RuntimeError: no free slot). It joins
+        the next round, whose target pass prefills its prompt."""
+        if not self.free_slots:
+            raise RuntimeError(f"the batch is full ({self.max_batch} sequences)")
+        prompt_ids, params, k, stop_ids, result = self.prepare(
+            prompt_ids, params, max_new_tokens, num_draft_tokens if num_draft_tokens is not None
+            else self.num_draft_tokens, stop_token_ids, ignore_eos, logprobs)
+        if len(prompt_ids) >= self.max_length:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_length}")
+        k = BATCH_AUTO_K if k == "auto" else k
+        if self.drafter is None:
+            k = 0
+        max_new_tokens = min(max_new_tokens, self.max_length - len(prompt_ids))
+        request = BatchRequest(prompt_ids, params, max_new_tokens, FixedK(k), stop, stop_ids, result, logprobs)
+        request.slot = len(self.active)
+        request.seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
+        request.generator = make_generator(params.seed, self.device)
+        request.logprobs = None if logprobs is None else []
+        self.target.reset(request.slot)
+        if self.drafter is not None:
+            self.drafter.start(request.slot, request.seq, params, request.generator)
+        self.active.append(request)
+        return request
+
+    def cancel(self, request: BatchRequest) -> None:
+        """Take a request out of the batch now (between rounds); its result keeps what was committed."""
+        if any(row is request for row in self.active):
+            self._leave(request)
+
+    def abort(self) -> None:
+        """Drop every request and every slot's cache (after a round failed half-way: no cache is trusted)."""
+        for request in self.active:
+            request.done = True
+        self.active = []
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    def _leave(self, request: BatchRequest) -> None:
+        request.done = True
+        slot, last = request.slot, len(self.active) - 1
+        if self.drafter is not None:
+            self.drafter.release(slot)
+        if slot != last:  # keep the active slots one range: the last row moves into the hole
+            moved = self.active[last]
+            self.target.move(last, slot)
+            if self.drafter is not None:
+                self.drafter.move(last, slot)
+            moved.slot = slot
+            self.active[slot] = moved
+        self.target.reset(last)
+        self.active.pop()
+
+    def step(self) -> list[tuple[BatchRequest, Committed]]:
+        """One round over every active request; returns each request's newly committed tokens (a request
+        that committed nothing, its round cut by a stop or its prompt still being fed, is absent). Finished
+        requests leave the batch."""
+        if not self.active:
+            return []
+        start = time.perf_counter()
+        ready, partial = self._prefill_plan()
+        plans = [row.policy.choose(self._view(row)) for row in ready]
+        drafts = (self.drafter.propose([(row.slot, row.seq, plan.k) for row, plan in zip(ready, plans)])
+                  if self.drafter is not None and ready else [no_draft(row.seq) for row in ready])
+        t_draft = time.perf_counter()
+        logits = self._score(ready, drafts, partial)
+        sync(self.device)
+        t_score = time.perf_counter()
+        for row in ready:  # its prompt is in: prefill_seconds is the wait for that, from `add` on
+            if not row.result.stats.prefill_seconds:
+                row.result.stats.prefill_seconds = t_score - row.started
+        for row in partial:  # a part of its prompt went in this pass
+            row.result.stats.target_forwards += 1
+            row.result.stats.target_seconds += t_score - t_draft
+        out = []
+        for row, plan, draft, row_logits in zip(ready, plans, drafts, logits):
+            n, nxt = verify(row.seq, draft, row_logits, row.params, row.generator)
+            committed, accepted = commit(row.seq, draft, n, nxt, row_logits, row.params, row.logprobs,
+                                         row.top_logprobs or 0)
+            self.target.rollback(row.slot, len(row.seq) - 1)
+            drafted = draft.tokens.numel()
+            if self.drafter is not None and plan.k > 0:
+                self.drafter.observe(row.slot, row.seq, drafted, accepted)
+            end = time.perf_counter()
+            report = RoundReport(plan.k, draft.source if drafted else "", drafted, accepted, False, False,
+                                 draft.steps, t_draft - start, end - t_draft, 0.0, 0, end - start)
+            chunk = self._finish_round(row, committed, report)
+            if chunk:
+                out.append((row, chunk))
+        for row in ready:
+            if row.done:
+                self._leave(row)
+        return out
+
+    def _prefill_plan(self) -> tuple[list[BatchRequest], dict[BatchRequest, int]]:
+        """Which rows verify this round and which only feed part of their prompt (how many tokens): a row
+        whose unseen prompt fits in what is left of `prefill_chunk` (the oldest requests first) verifies
+        along with its prefill; the first that does not fit feeds what is left, and the rest wait."""
+        budget, partial, waiting = self.prefill_chunk, {}, set()
+        for row in sorted(self.active, key=lambda r: r.started):
+            unseen = len(row.seq) - self.target.lengths[row.slot]
+            if unseen <= 1:  # decoding: only its last committed token is new
+                continue
+            if unseen > budget:
+                if budget:
+                    partial[row] = budget
+                else:
+                    waiting.add(row)
+            budget -= min(budget, unseen)
+        return [row for row in self.active if row not in partial and row not in waiting], partial
+
+    def _view(self, row: BatchRequest) -> RoundView:
+        source = "none" if self.drafter is None else self.drafter.source(row.slot, row.seq)
+        return RoundView(row.seq, row.max_new_tokens - len(row.seq.generated) - 1, source, 0, lambda: None)
+
+    def _score(self, ready: list[BatchRequest], drafts: list[Draft],
+               partial: dict[BatchRequest, int]) -> list[torch.Tensor]:
+        """Every ready row's target logits [k_b + 1, V] from ONE forward over each row's unseen committed
+        tokens (its last one, or its prompt) and drafts; the same pass feeds the partial rows' prompt parts."""
+        fed = []  # (slot, feed, logits kept, index among the ready rows or None)
+        for i, (row, draft) in enumerate(zip(ready, drafts)):
+            unseen = row.seq.device_ids[self.target.lengths[row.slot] :]
+            fed.append((row.slot, torch.cat([unseen, draft.tokens]), draft.tokens.numel() + 1, i))
+        for row, n in partial.items():
+            at = self.target.lengths[row.slot]
+            fed.append((row.slot, row.seq.device_ids[at : at + n], 0, None))
+        if not fed:
+            return []
+        fed.sort(key=lambda f: f[0])  # slot order: the active slots are one range, read as one view
+        out = self.target.forward_rows([f[0] for f in fed], [f[1] for f in fed], keep=[f[2] for f in fed])
+        logits: list[torch.Tensor] = [None] * len(ready)  # type: ignore[list-item]
+        for (_, _, _, i), row_logits in zip(fed, out):
+            if i is not None:
+                logits[i] = row_logits
+        return logits
+
+    def _finish_round(self, row: BatchRequest, committed: list[int], report: RoundReport) -> Committed | None:
+        """Stats, stops and the end of a row's generation after its round; the tokens to hand out."""
+        stats, result, seq = row.result.stats, row.result, row.seq
+        stats.add_round(report)
+        emitted, keep = cut_at_stop(seq, committed, row.stop, row.stop_ids)
+        if keep is not None:
+            stats.cut_round(report.drafted, report.accepted, len(emitted))
+            self.target.rollback(row.slot, min(self.target.lengths[row.slot], len(seq) - 1))
+            result.finish_reason = "stop"
+            row.done = True
+        elif len(seq.generated) >= row.max_new_tokens:
+            result.finish_reason = "length"
+            row.done = True
+        result.token_ids = seq.generated
+        result.logprobs = None if row.logprobs is None else row.logprobs[: len(result.token_ids)]
+        stats.new_tokens, stats.seconds = len(result.token_ids), time.perf_counter() - row.started
+        if emitted and not stats.first_token_seconds:
+            stats.first_token_seconds = stats.seconds
+        return Committed(emitted, min(report.accepted, len(emitted))) if emitted else None
+
+    def run(self, requests: list[dict]) -> list[GenerationResult]:
+        """Generate every request (keyword arguments of `add`), at most max_batch at a time, admitting the
+        next as soon as a slot frees; results in the order of `requests`."""
+        waiting = list(enumerate(requests))
+        results: list[GenerationResult | None] = [None] * len(requests)
+        admitted: dict[int, BatchRequest] = {}
+        try:
+            while waiting or self.active:
+                while waiting and self.free_slots:
+                    index, kwargs = waiting.pop(0)
+                    admitted[index] = self.add(**kwargs)
+                self.step()
+            for index, request in admitted.items():
+                results[index] = request.result
+        finally:
+            for request in list(self.active):
+                self.cancel(request)
+        return results  # type: ignore[return-value]

@@ -1,0 +1,459 @@
+"""The speculative decoding loop: propose -> verify -> commit/rollback, until a stop.
+
+Invariant at the start of every round: the target's cache holds the committed sequence minus its
+last token. A round feeds [last committed token, d_1 .. d_k] to the target in ONE forward pass, which
+gives p for k+1 positions; the verifier accepts n drafts and yields one more token (recovered or
+bonus); the target's cache is cropped to keep exactly the committed tokens it has seen. With k = 0 the
+round is plain decoding, through the same sampling code: that is the baseline.
+
+The first round is the exception: the prefill feeds the whole prompt and keeps its last row of logits
+(p for the first new position), so that round feeds only [d_1 .. d_k] (nothing at all when k = 0), as
+plain decoders do; feeding the prompt's last token again on its own would cost one more forward per
+generation (~1% of a 96-token generation on llama.cpp).
+
+A tree drafter's round (the draft carries a TokenTree) is the same round: one target pass over the root
+and all nodes with a tree mask, the walk of verispec.core.tree instead of the chain's verifier, and the target's
+cache keeps the accepted path (moved into place) instead of a prefix.
+
+The engine knows token ids only. Text-level stops come in as a callback from the edge.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.backends.base import Model, common_prefix_length
+from verispec.decoding.stats import SpecStats
+from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView
+from verispec.proposers.base import Draft, Proposer
+from verispec.proposers.tree_draft import TreeDraftModel
+from verispec.core.sampling import (
+    SamplingParams,
+    count_rows,
+    greedy_tokens,
+    make_generator,
+    presence_rows,
+    probs_from_logits,
+    process_logits,
+    token_counts,
+)
+from verispec.core.sequence import TokenSequence
+from verispec.core.timing import Clock, sync
+from verispec.core.tree import TokenTree, tree_rows, verify_tree
+from verispec.decoding.policies.tree_budget import TreeBudget
+from verispec.core.verify import greedy_verify, rejection_sample
+
+# stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
+StopFn = Callable[[list[int]], "int | None"]
+# per generated token: (its logprob, [(id, logprob) of the most likely tokens]) under the target's processed
+# distribution; -inf (a token the filters removed) is reported as LOGPROB_FLOOR, JSON having no infinity
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only (an EOS that ended generation included)
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
+
+
+class Committed(list):
+    """One round's newly committed token ids, with their provenance: the first `accepted` were drafted and
+    accepted by the target; the rest (one, or none when a stop cut the round) the target produced itself
+    (a recovered token after a rejection, or the bonus token after a fully accepted draft)."""
+
+    def __init__(self, tokens: list[int], accepted: int) -> None:
+        super().__init__(tokens)
+        self.accepted = accepted
+
+    @property
+    def target(self) -> int:
+        """How many of these tokens the target produced."""
+        return len(self) - self.accepted
+
+
+class Generation:
+    """Iterate to get each round's newly committed tokens (`Committed`); `result` is filled as it goes.
+    Closing the iterator early (a client went away) leaves the engine consistent."""
+
+    def __init__(self, rounds: Iterator[Committed], result: GenerationResult) -> None:
+        self._rounds = rounds
+        self.result = result
+
+    def __iter__(self) -> Iterator[Committed]:
+        return self._rounds
+
+    def close(self) -> None:
+        self._rounds.close()  # type: ignore[attr-defined]
+
+
+def _check_k(k: int | str) -> int | str:
+    """A fixed number of draft tokens per round (>= 0), or "auto" (cost-aware adaptive k)."""
+    if k == "auto":
+        return k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {k!r}")
+    return k
+
+
+class SpeculativeGenerator:
+    def __init__(
+        self,
+        target: Model,
+        proposer: Proposer | None = None,
+        eos_token_ids: Iterable[int] = (),
+        num_draft_tokens: int | str = 4,
+        k_max: int = 8,
+        auto_policy: KPolicy | None = None,
+    ) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.num_draft_tokens = _check_k(num_draft_tokens)
+        # the policy of k = "auto" (default: a tree drafter's budget policy, else cost-aware k); learns across
+        # generations
+        if auto_policy is None:
+            auto_policy = TreeBudget() if isinstance(proposer, TreeDraftModel) else CostAwareK(k_max=k_max)
+        self.k_policy = auto_policy
+        self.device = target.device
+        self._clock = Clock(self.device)  # times the round's stages on the device's timeline
+        self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _prefill(self, seq: TokenSequence) -> tuple[torch.Tensor, int]:
+        """Bring the target's cache to all of seq, reusing the longest common prefix it already holds (at
+        least the last token is fed: its logits are needed). Returns them, [1, V], and how many tokens it fed."""
+        keep = min(common_prefix_length(self._target_held, seq.ids), len(seq) - 1, self.target.length)
+        self.target.rollback(keep)
+        head = self.target.forward(seq.device_ids[keep:], last_only=True)
+        self._target_held = seq.ids[: self.target.length]
+        return head, len(seq) - keep
+
+    def _score(self, seq: TokenSequence, drafts: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
+        """The target's logits [k+1, V] for the positions after seq and after each draft: ONE forward pass
+        over [last committed token, d_1 .. d_k] (the first round: over the drafts, the prefill gave `head`)."""
+        if head is None:
+            return self.target.forward(torch.cat([seq.device_ids[-1:], drafts]))
+        return torch.cat([head, self.target.forward(drafts)]) if drafts.numel() else head
+
+    def _catch_up(self, seq: TokenSequence, plan: Plan) -> int:
+        """Feed the draft the committed tokens it has not seen, when it is about to draft; returns how many."""
+        if plan.draft is not None or plan.k == 0 or not self.proposer.pending(seq):
+            return 0
+        return self.proposer.catch_up(seq)
+
+    def _draft(self, seq: TokenSequence, plan: Plan) -> Draft:
+        """The round's draft: the policy's own, the proposer's, or none (plain decoding)."""
+        if plan.draft is not None:
+            return plan.draft
+        if plan.k == 0:
+            return Draft(seq.device_ids.new_empty(0), None, "")
+        if plan.depth is not None:
+            return self.proposer.propose(seq, plan.k, plan.depth)
+        return self.proposer.propose(seq, plan.k)
+
+    def _score_tree(self, seq: TokenSequence, tree: TokenTree, head: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """The target's logits [m + 1, V] for the root and each tree node, in ONE tree-masked forward pass
+        (over the root and the nodes; the first round: over the nodes, the prefill gave `head`), and the cache
+        position where the pass's rows begin."""
+        device = seq.device_ids.device
+        length = len(seq)
+        last = length - 1 + tree.depth
+        positions = length - 1 + torch.tensor(tree.depths, dtype=torch.long, device=device)
+        paths = tree.paths()  # [m + 1, m]
+        if head is not None:
+            return torch.cat([head, self.target.forward_tree(tree.tokens, positions, length, paths[1:], last)]), length
+        tokens = torch.cat([seq.device_ids[-1:], tree.tokens])
+        positions = torch.cat([positions.new_full((1,), length - 1), positions])
+        visible = torch.cat([torch.ones(len(tree) + 1, 1, dtype=torch.bool, device=device), paths], dim=1)
+        return self.target.forward_tree(tokens, positions, length - 1, visible, last), length - 1
+
+    def _verify_tree(
+        self, seq: TokenSequence, tree: TokenTree, params: SamplingParams, gen: torch.Generator,
+        head: torch.Tensor | None, logprobs: list[TokenLogprob] | None, top_logprobs: int,
+    ) -> tuple[list[int], list[int]]:
+        """Score, verify and commit a tree (verispec.core.tree); the target's cache keeps the root and the accepted
+        path. Returns (committed ids, accepted nodes)."""
+        logits, base = self._score_tree(seq, tree, head)
+        path, token = verify_tree(tree_rows(logits, tree, params, seq), tree, params.greedy, gen)
+        rows = [0] + [node + 1 for node in path]  # of logits: the rows that chose each committed token
+        tokens = tree.tokens.tolist()
+        committed = [tokens[node] for node in path] + [token]
+        if logprobs is not None:
+            logp = tree_rows(logits, tree, params, seq, log=True)[rows]
+            logprobs.extend(_token_logprobs(logp, committed, top_logprobs))
+        self.target.keep(base, rows if head is None else path)  # the first round's cache has no root row
+        seq.extend(committed, torch.tensor(committed, device=seq.device_ids.device))
+        return committed, path
+
+    def _round(
+        self, seq: TokenSequence, plan: Plan, params: SamplingParams, gen: torch.Generator,
+        head: torch.Tensor | None, logprobs: list[TokenLogprob] | None, top_logprobs: int,
+    ) -> tuple[list[int], RoundReport]:
+        """One round, as the paper has it: propose -> one target pass -> verify -> commit and roll back.
+        `head`: the first round's logits for the position after seq, from the prefill. `logprobs`: a list to
+        append each committed token's TokenLogprob to (None: not asked for)."""
+        clock, start = self._clock, time.perf_counter()
+        t0 = clock.mark()
+        caught_up = self._catch_up(seq, plan)
+        t1 = clock.mark()
+        draft = self._draft(seq, plan)
+        t2 = clock.mark()
+        path: list[int] = []
+        if draft.tree is not None:
+            committed, path = self._verify_tree(seq, draft.tree, params, gen, head, logprobs, top_logprobs)
+            t3, accepted = clock.mark(), len(path)
+        else:
+            logits = self._score(seq, draft.tokens, head)
+            n, nxt = verify(seq, draft, logits, params, gen)
+            t3 = clock.mark()
+            committed, accepted = commit(seq, draft, n, nxt, logits, params, logprobs, top_logprobs)
+        drafted = draft.tokens.numel()
+        self.target.rollback(len(seq) - 1)  # the target's cache keeps exactly the committed tokens it has seen
+        if plan.draft is None and plan.k > 0:
+            self.proposer.observe(seq, drafted, accepted)  # the draft rolls back its own cache
+        return committed, RoundReport(
+            plan.k, draft.source if drafted else "", drafted, accepted, head is not None, plan.draft is not None,
+            draft.steps, clock.seconds(t1, t2), clock.seconds(t2, t3), clock.seconds(t0, t1), caught_up,
+            time.perf_counter() - start, draft.tree, tuple(path))
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _rounds(
+        self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, policy: KPolicy,
+        stop: StopFn | None, result: GenerationResult, stop_ids: frozenset[int], top_logprobs: int | None,
+    ) -> Iterator[Committed]:
+        """Prefill, then rounds until max_new_tokens or a stop; yields each round's committed tokens."""
+        stats, t_start = result.stats, time.perf_counter()
+        max_new_tokens = min(max_new_tokens, self.target.max_length - len(prompt_ids))
+        seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
+        gen = make_generator(params.seed, self.device)
+        head, fed = self._prefill(seq)
+        sync(self.device)  # the first round waits for the prefill's logits anyway
+        policy.start(time.perf_counter() - t_start, fed)
+        if self.proposer is not None:
+            self.proposer.start(seq, params, gen)
+        stats.prefill_seconds = time.perf_counter() - t_start
+        logprobs = None if top_logprobs is None else []
+        try:
+            while len(seq.generated) < max_new_tokens:
+                plan = policy.choose(self._view(seq, max_new_tokens, stats))
+                committed, report = self._round(seq, plan, params, gen, head, logprobs, top_logprobs or 0)
+                head = None
+                policy.observe(report)
+                stats.add_round(report)
+                emitted, keep = cut_at_stop(seq, committed, stop, stop_ids)
+                if keep is not None:  # drop what follows the stop, from the result and from the caches
+                    stats.cut_round(report.drafted, report.accepted, len(emitted),
+                                    None if report.tree is None else report.tree.depth)
+                    committed = emitted
+                    self.target.rollback(min(self.target.length, len(seq) - 1))
+                    result.finish_reason = "stop"
+                result.token_ids = seq.generated
+                result.logprobs = None if logprobs is None else logprobs[: len(result.token_ids)]
+                stats.new_tokens, stats.seconds = len(result.token_ids), time.perf_counter() - t_start
+                if committed and not stats.first_token_seconds:
+                    stats.first_token_seconds = stats.seconds
+                if committed:
+                    yield Committed(committed, min(report.accepted, len(committed)))
+                if keep is not None:
+                    return
+            result.finish_reason = "length"
+        finally:  # what the target's cache holds, for prefix reuse by the next generation
+            self._target_held = seq.ids[: self.target.length]
+
+    def _view(self, seq: TokenSequence, max_new_tokens: int, stats: SpecStats) -> RoundView:
+        """What the k policy sees before a round."""
+        proposer = self.proposer
+        if proposer is None:
+            return RoundView(seq, 0, "none", 0, lambda: None)
+        return RoundView(seq, max_new_tokens - len(seq.generated) - 1, proposer.source(seq), proposer.pending(seq),
+                         lambda: self._time_draft_step(seq, stats))
+
+    def _time_draft_step(self, seq: TokenSequence, stats: SpecStats) -> float | None:
+        """Seconds of one draft step, fed on the first token the draft must catch up on anyway (None: none
+        pending). Booked as catch-up; a one-off measurement, so it waits for the kernels."""
+        t0 = time.perf_counter()
+        fed = self.proposer.catch_up(seq, 1)
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        stats.prefill_seconds += seconds
+        return seconds if fed else None
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        num_draft_tokens: int | str | None = None,
+        stop: StopFn | None = None,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+    ) -> Generation:
+        """Generate round by round. `stop_token_ids` end generation like EOS does; `ignore_eos`: EOS does
+        not; params.min_tokens masks whichever ids end it. `logprobs` n >= 0: result.logprobs holds each
+        token's logprob and the n most likely alternatives under the target's processed distribution."""
+        prompt_ids, params, k, stop_ids, result = self.prepare(prompt_ids, params, max_new_tokens, num_draft_tokens,
+                                                               stop_token_ids, ignore_eos, logprobs)
+        policy = self.k_policy if k == "auto" else FixedK(k)
+        rounds = self._rounds(prompt_ids, params, max_new_tokens, policy, stop, result, stop_ids, logprobs)
+        return Generation(self._guarded(rounds), result)
+
+    def prepare(
+        self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, num_draft_tokens: int | str | None,
+        stop_token_ids: Iterable[int], ignore_eos: bool, logprobs: int | None,
+    ) -> tuple[list[int], SamplingParams, int | str, frozenset[int], GenerationResult]:
+        """Check a request (ValueError with a one-line reason) and resolve it: (prompt ids, params with
+        min_tokens' masked ids, k, the ids that end generation, an empty result)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.target.max_length:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.target.max_length}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.target.vocab_size:
+            raise ValueError(f"a prompt token id is out of range for the vocabulary of {self.target.vocab_size}")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+        k = self.num_draft_tokens if num_draft_tokens is None else _check_k(num_draft_tokens)
+        result = GenerationResult(token_ids=[], finish_reason="length")
+        result.stats.prompt_tokens = len(prompt_ids)
+        stop_ids = frozenset(int(t) for t in stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
+        if params.min_tokens:  # min_tokens masks every id that would end generation here
+            params = replace(params, stop_ids=tuple(sorted(stop_ids | set(params.stop_ids))))
+        return list(prompt_ids), params, k, stop_ids, result
+
+    def _guarded(self, rounds: Iterator[Committed]) -> Iterator[Committed]:
+        """An exception inside a round (e.g. KeyboardInterrupt mid-forward) may leave a cache half
+        updated: forget both caches then, so the next generation starts clean. Closing the generation
+        between rounds (GeneratorExit at a yield) is a consistent point and keeps them."""
+        try:
+            yield from rounds
+        except GeneratorExit:
+            raise
+        except BaseException:
+            self.reset()
+            raise
+
+    def reset(self) -> None:
+        """Drop all cached state (both models' KV caches)."""
+        self.target.reset()
+        self._target_held = []
+        if self.proposer is not None:
+            self.proposer.reset()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs) -> GenerationResult:
+        generation = self.stream(prompt_ids, params, **kwargs)
+        for _ in generation:
+            pass
+        return generation.result
+
+
+def _stop_index(generated: list[int], start: int, stop: StopFn | None, stop_ids: frozenset[int]) -> int | None:
+    """Number of generated tokens to keep if a stop (an id in stop_ids, or a stop string) was hit among
+    generated[start:], else None."""
+    keep = next((i + 1 for i in range(start, len(generated)) if generated[i] in stop_ids), None)
+    if stop is not None:
+        at_stop = stop(generated[:keep] if keep is not None else generated)
+        if at_stop is not None:
+            keep = at_stop
+    return keep
+
+
+def cut_at_stop(
+    seq: TokenSequence, committed: list[int], stop: StopFn | None, stop_ids: frozenset[int]
+) -> tuple[list[int], int | None]:
+    """After a round committed `committed` (already in seq): if a stop was hit among them, truncate seq after
+    it and return (the committed tokens kept, generated tokens kept); else (committed, None)."""
+    start = len(seq.generated) - len(committed)
+    keep = _stop_index(seq.generated, start, stop, stop_ids)
+    if keep is None:
+        return committed, None
+    seq.truncate(seq.prompt_length + keep)
+    return committed[: max(0, keep - start)], keep
+
+
+def target_rows(
+    logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
+) -> torch.Tensor:
+    """Processed target rows [k+1, V]: argmax ids (greedy) or probs p."""
+    presence = None
+    if params.penalised:
+        presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
+    counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), len(seq.generated)
+    if params.greedy:
+        return greedy_tokens(process_logits(logits, params, presence, counts, position))  # [k+1]
+    return probs_from_logits(logits, params, presence, counts, position)  # [k+1, V]
+
+
+def logprob_rows(
+    logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
+) -> torch.Tensor:
+    """[k+1, V] log-probabilities of the target's processed distribution (greedy: of its penalised logits,
+    at temperature 1, since the one-hot would say nothing)."""
+    presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens) if params.penalised else None
+    counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
+    return process_logits(logits, params, presence, counts, len(seq.generated)).log_softmax(dim=-1)
+
+
+def verify(
+    seq: TokenSequence, draft: Draft, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's verification of its draft against the target's logits [k+1, V] for the positions after
+    seq and after each draft: (accepted count [1], the recovered or bonus token [1]), on the device."""
+    rows = target_rows(logits, draft.tokens, params, seq)
+    if params.greedy:
+        return greedy_verify(draft.tokens[None], rows[None])
+    return rejection_sample(draft.tokens[None], None if draft.probs is None else draft.probs[None], rows[None], gen)
+
+
+def commit(
+    seq: TokenSequence, draft: Draft, n: torch.Tensor, nxt: torch.Tensor, logits: torch.Tensor,
+    params: SamplingParams, logprobs: list[TokenLogprob] | None, top_logprobs: int,
+) -> tuple[list[int], int]:
+    """Append the accepted drafts and the target's token to seq (the round's one device -> host sync); with
+    `logprobs`, append each committed token's TokenLogprob. Returns (committed ids, accepted count)."""
+    host = torch.cat([n, nxt, draft.tokens]).tolist()
+    accepted = host[0]
+    committed = host[2 : 2 + accepted] + [host[1]]
+    if logprobs is not None:
+        logp = logprob_rows(logits, draft.tokens, params, seq)
+        logprobs.extend(_token_logprobs(logp[: accepted + 1], committed, top_logprobs))
+    seq.extend(committed, torch.cat([draft.tokens[:accepted], nxt]))
+    return committed, accepted
+
+
+def _row_counts(
+    seq: TokenSequence, draft_tokens: torch.Tensor, params: SamplingParams, vocab_size: int
+) -> torch.Tensor | None:
+    """[k+1, V] generated-token counts per verify row (row i: the committed generation plus drafts[:i]),
+    or None when no presence/frequency penalty needs them."""
+    if not params.counted:
+        return None
+    return count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab_size), draft_tokens)
+
+
+def _token_logprobs(logp: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """TokenLogprob for each row of logp [n, V] and its chosen token."""
+    rows = torch.arange(len(tokens), device=logp.device)
+    chosen = logp[rows, torch.tensor(tokens, device=logp.device)].tolist()
+    best = torch.topk(logp, min(top, logp.shape[-1]), dim=-1) if top else None
+    entries = []
+    for i, value in enumerate(chosen):
+        alts = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
+        entries.append((_finite(value), [(a, _finite(v)) for a, v in alts]))
+    return entries
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR

@@ -1,0 +1,108 @@
+"""How many tokens to draft each round: the k policy interface, and the fixed-k policy.
+
+The engine knows nothing of how k is chosen. Before each round it shows the policy a `RoundView` (how
+many drafts the round may have, where the next draft would come from, what the draft must catch up on)
+and gets a `Plan` back: k, or a ready draft of the policy's own (a free guess it wants verified, to learn
+a cost). After the round it hands the policy the round's `RoundReport`. Only speed depends on these
+choices, never the output: every draft is verified exactly.
+
+`FixedK` drafts the same k every round; the cost-aware policy (`verispec.decoding.policies.cost_aware.CostAwareK`) picks the k
+that maximises expected tokens per second from measured costs and acceptance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from verispec.proposers.base import Draft
+from verispec.core.tree import TokenTree
+from verispec.core.sequence import TokenSequence
+
+
+TREE_SOURCE = "tree"  # the source of token trees: a plan's k is their node budget, its depth their draft forwards
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What a policy sees before a round."""
+
+    seq: TokenSequence  # the committed sequence
+    limit: int  # the most drafts this round may have (tokens left to generate, less the round's own)
+    source: str  # where the proposer's next draft would come from ('none': it has none)
+    pending: int  # tokens the draft must catch up on before it drafts (0 for free drafters)
+    time_draft_step: Callable[[], float | None]  # seconds of one draft step on a token the draft must catch up
+    # on anyway (None: nothing pending to time it on); the engine books it as catch-up
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A policy's choice for one round: draft k tokens, or verify `draft` (the policy's own) instead. A tree
+    drafter reads k as its node budget and `depth` as the most draft forwards it may spend (None: its own
+    maximum); a tree's deepest node is at most that deep, since a round commits at most its depth + 1 tokens."""
+
+    k: int
+    draft: Draft | None = None
+    depth: int | None = None
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one round did and cost."""
+
+    k: int  # drafts planned
+    source: str  # where the verified draft came from ('' when none was verified)
+    drafted: int  # draft tokens verified
+    accepted: int  # of them accepted
+    first: bool  # the generation's first round: the prefill gave the first row of p
+    own_draft: bool  # the draft was the policy's (Plan.draft), not the proposer's
+    draft_steps: int  # draft-model forwards spent on the draft (0: a free drafter)
+    draft_seconds: float  # drafting, catch-up excluded
+    verify_seconds: float  # the target pass and the verification
+    catchup_seconds: float  # the draft's catch-up on tokens it had not seen
+    catchup_tokens: int
+    seconds: float  # wall time of the whole round (catch-up, drafting, verifying, both rollbacks)
+    tree: "TokenTree | None" = None  # the verified draft's tree (None: a chain)
+    path: tuple[int, ...] = ()  # the tree nodes accepted, root to deepest
+
+    @property
+    def fed(self) -> int:
+        """Tokens the round's target pass fed: [last, d_1..d_k], or only the drafts in the first round."""
+        return self.drafted + (not self.first)
+
+    @property
+    def plain_tokens(self) -> int:
+        """Target passes plain decoding would have made for this round's tokens."""
+        return self.accepted + self.fed - self.drafted
+
+
+class KPolicy(Protocol):
+    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
+        """A generation starts; its prefill fed `prefill_tokens` tokens in `prefill_seconds`."""
+
+    def choose(self, view: RoundView) -> Plan:
+        """The plan for the next round (k <= view.limit)."""
+
+    def observe(self, report: RoundReport) -> None:
+        """The round planned last has run."""
+
+
+class FixedK:
+    """Draft k tokens every round (fewer near the end of the generation); k = 0 is plain decoding."""
+
+    def __init__(self, k: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        self.k = k
+
+    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
+        pass
+
+    def choose(self, view: RoundView) -> Plan:
+        if view.source == TREE_SOURCE:  # k tree nodes; the limit caps the depth
+            return Plan(self.k if view.limit else 0, depth=view.limit)
+        return Plan(min(self.k, view.limit))
+
+    def observe(self, report: RoundReport) -> None:
+        pass

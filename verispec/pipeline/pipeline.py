@@ -1,0 +1,344 @@
+"""A built pipeline: the generator with its tokenizer and the specs it was built from, generating text.
+
+`Pipeline.generate` and `Pipeline.stream` take a prompt as text, chat messages or token ids, and sampling
+settings as keywords or a transformers GenerationConfig; they apply stop strings at the text level and
+feed a transformers streamer when given one. Pipelines are made by verispec.assembly.build (`build`, `load`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from verispec.backends.base import Model
+from verispec.decoding.engine import Generation, SpeculativeGenerator
+from verispec.decoding.stats import SpecStats
+from verispec.pipeline.provenance import Piece, ProvenanceText
+from verispec.core.sampling import SamplingParams
+from verispec.pipeline.text import encode_messages
+
+if TYPE_CHECKING:
+    from verispec.assembly.build import DraftSpec, TargetSpec
+
+DEFAULT_MAX_NEW_TOKENS = 256
+# prompt: text, chat messages ({"role", "content"} dicts), token ids, or a [n] / [1, n] tensor of them
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int] | torch.Tensor
+
+
+@dataclass
+class Completion:
+    """One generation's outcome: the text (cut before a stop string; special tokens skipped), the generated
+    token ids (an EOS that ended generation included), why it ended ("stop": EOS or a stop string;
+    "length": max_new_tokens or the context), and its speculation statistics."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class TextStream:
+    """Iterate to get text pieces as rounds commit them, or iterate `pieces()` to get them as `Piece`s, which
+    also say how many of their tokens were drafted-and-accepted and how many the target produced (and the
+    text per token); the piece counts over a stream add up to the result's token count and accepted count.
+    `result` holds the Completion so far (final once iteration ended). Closing the stream early (a client
+    went away) leaves the pipeline consistent. A transformers streamer, when given, gets the prompt ids first
+    (as transformers' generate does: a streamer made with skip_prompt=True skips them), then each round's
+    committed ids, and `end()` when generation ends, also when it ends by an error or an early close."""
+
+    def __init__(self, generation: Generation, text: ProvenanceText, prompt_ids: list[int], streamer=None) -> None:
+        self._generation, self._text, self._streamer = generation, text, streamer
+        self._prompt_ids = prompt_ids
+        self._pieces = self._run()
+        self._texts = (piece.text for piece in self._pieces if piece.text)
+
+    def _run(self) -> Iterator[Piece]:
+        streamer, text = self._streamer, self._text
+        try:
+            if streamer is not None:
+                streamer.put(torch.tensor([self._prompt_ids]))  # [1, n], as transformers' generate puts it
+            for chunk in self._generation:
+                if streamer is not None:
+                    streamer.put(torch.tensor(chunk))  # [m] newly committed ids
+                piece = text.push(chunk)
+                if piece is not None:
+                    yield piece
+            rest = text.finish()
+            if rest is not None:
+                yield rest
+        finally:
+            self._generation.close()
+            text.finish()
+            if streamer is not None:
+                streamer.end()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._texts
+
+    def __next__(self) -> str:
+        return next(self._texts)
+
+    def pieces(self) -> Iterator[Piece]:
+        """The same stream as Pieces (text, accepted, target, spans); the last may have no text (tokens
+        whose text is empty or cut by a stop string). Iterate either this or the stream, not both."""
+        return self._pieces
+
+    def close(self) -> None:
+        """Stop generating (the committed tokens stay in `result`)."""
+        self._pieces.close()
+
+    @property
+    def result(self) -> Completion:
+        res = self._generation.result
+        return Completion(self._text.text, list(res.token_ids), res.finish_reason, res.stats)
+
+
+def _is_prompt_list(prompt: Any) -> bool:
+    """A list of prompts (texts, message lists, token-id lists), not one prompt (text, messages, ids)."""
+    if isinstance(prompt, (str, torch.Tensor, Mapping)) or not isinstance(prompt, Sequence) or not prompt:
+        return False
+    return all(isinstance(p, (str, torch.Tensor)) or (isinstance(p, Sequence) and not isinstance(p, Mapping))
+               for p in prompt)
+
+
+def sampling_settings(generation_config=None, **explicit: Any) -> tuple[SamplingParams, int]:
+    """(SamplingParams, max_new_tokens) from a transformers GenerationConfig (do_sample, temperature, top_p,
+    top_k, min_p, repetition_penalty, max_new_tokens; do_sample false or unset: greedy) overlaid with the
+    keyword arguments that are not None, which win. Unset everywhere: greedy, DEFAULT_MAX_NEW_TOKENS."""
+    settings: dict[str, Any] = {}
+    max_new_tokens = explicit.pop("max_new_tokens", None)
+    config = generation_config
+    if config is not None:
+        if getattr(config, "do_sample", False):
+            settings["temperature"] = 1.0 if config.temperature is None else config.temperature
+            settings.update({name: getattr(config, name) for name in ("top_p", "top_k", "min_p")
+                             if getattr(config, name, None) is not None})
+        else:
+            settings["temperature"] = 0.0
+        if getattr(config, "repetition_penalty", None) is not None:
+            settings["repetition_penalty"] = config.repetition_penalty
+        if max_new_tokens is None:
+            max_new_tokens = getattr(config, "max_new_tokens", None)
+    settings.update({name: value for name, value in explicit.items() if value is not None})
+    return SamplingParams(**settings), DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+
+
+@dataclass(frozen=True, eq=False)
+class Pipeline:
+    """A target, its drafter and k, ready to generate. `generator` is the engine (token ids in and out);
+    `target` and `draft` are the resolved specs it was built from (`draft` None: plain decoding);
+    `draft_model` the draft LM, if any; `draft_forward` how a transformers draft runs (lean, transformers;
+    none otherwise); `load_seconds` what loading took, per part; `reason` why the target runs on its backend
+    (and, where they were defaults, where the drafter and k came from), one line; `kernels` which llama.cpp
+    kernels verify and why, one line (None: no model runs on llama.cpp)."""
+
+    generator: SpeculativeGenerator
+    tokenizer: Any
+    target: TargetSpec
+    draft: DraftSpec | None
+    device: torch.device
+    draft_model: Model | None = None
+    draft_forward: str = "none"
+    load_seconds: Mapping[str, float] = field(default_factory=dict)
+    reason: str = ""
+    kernels: str | None = None
+
+    # -- what was built ---------------------------------------------------------------------------
+
+    @property
+    def target_ref(self) -> str:
+        """The target's reference, as text."""
+        return self.target.label
+
+    @property
+    def draft_ref(self) -> str | None:
+        """The draft model's reference, as text (None: no draft model)."""
+        return None if self.draft is None else self.draft.label
+
+    @property
+    def drafter(self) -> str:
+        """The drafter's name, or 'none' (plain decoding)."""
+        return "none" if self.draft is None else self.draft.drafter
+
+    @property
+    def backend(self) -> str:
+        """The target's backend."""
+        return self.target.backend
+
+    @property
+    def draft_backend(self) -> str | None:
+        """The draft model's backend (None: no draft model)."""
+        return None if self.draft_model is None else self.draft.backend
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype of the models verispec loaded through transformers (bf16, fp16, fp32; None: there are
+        none, e.g. both on llama.cpp, or the target was passed loaded and keeps its own)."""
+        return self.target.dtype if "hf" in (self.backend, self.draft_backend) else None
+
+    @property
+    def k(self) -> int | str:
+        """Draft tokens per round: an integer (0: plain decoding) or 'auto'."""
+        return self.generator.num_draft_tokens
+
+    def setup(self) -> dict[str, object]:
+        """What runs and why, for front ends to show: backend, drafter, k, dtype, the reason and the llama.cpp
+        kernels."""
+        return {"backend": self.backend, "drafter": self.drafter, "k": self.k, "dtype": self.dtype,
+                "reason": self.reason, "kernels": self.kernels}
+
+    @property
+    def draft_quant(self) -> str:
+        """The draft model's weight quantisation ('none' also when there is no draft model)."""
+        return "none" if self.draft_model is None else self.draft.quant
+
+    @property
+    def context_length(self) -> int:
+        """Tokens the pair can hold: the target's context, or the draft model's when that is shorter."""
+        n_ctx = self.generator.target.max_length
+        return n_ctx if self.draft_model is None else min(n_ctx, self.draft_model.max_length)
+
+    # -- generating -------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids for a prompt: text is tokenised as is, chat messages through the tokenizer's chat
+        template (with the assistant's turn opened), token ids are taken as they are."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() == 2 and prompt.shape[0] == 1:
+                prompt = prompt[0]
+            if prompt.dim() != 1:
+                raise ValueError(f"one prompt at a time: expected token ids of shape [n] or [1, n], got "
+                                 f"{list(prompt.shape)}")
+            return [int(t) for t in prompt.tolist()]
+        items = list(prompt)
+        if items and all(isinstance(m, Mapping) for m in items):
+            return encode_messages(self.tokenizer, items)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return items
+        raise TypeError("a prompt is text, a list of chat messages ({'role', 'content'} dicts) or token ids")
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] | str = (),
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        k: int | str | None = None,
+        generation_config=None,
+        streamer=None,
+    ) -> TextStream:
+        """Generate, yielding text pieces as they are committed (see TextStream; `.pieces()` for provenance). Sampling: keywords win
+        over `generation_config` (a transformers GenerationConfig), which wins over greedy decoding and
+        max_new_tokens DEFAULT_MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before
+        them). `k`: this generation's draft tokens per round (None: the pipeline's). `streamer`: a
+        transformers TextStreamer / TextIteratorStreamer (or anything with put(ids tensor) and end())."""
+        params, max_new = sampling_settings(generation_config, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            top_p=top_p, top_k=top_k, min_p=min_p,
+                                            repetition_penalty=repetition_penalty, seed=seed)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        prompt_ids = self.encode(prompt)
+        text = ProvenanceText(self.tokenizer, stops)
+        generation = self.generator.stream(prompt_ids, params, max_new_tokens=max_new, num_draft_tokens=k,
+                                           stop=text.assembler.stop_index if stops else None)
+        return TextStream(generation, text, prompt_ids, streamer)
+
+    def generate(self, prompt: Prompt | list[Prompt], **kwargs: Any) -> Completion | list[Completion]:
+        """Generate to the end and return the Completion; takes the same arguments as `stream`. A list of
+        prompts (texts, message lists or token-id lists) returns one Completion per prompt, in order: decoded
+        together in batches (see `generate_batch`) where the pipeline can batch, else one after another."""
+        if _is_prompt_list(prompt):
+            return self.generate_batch(prompt, **kwargs)
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def can_batch(self) -> str | None:
+        """Why this pipeline cannot decode a batch, or None when it can."""
+        from verispec.assembly.build import batch_unsupported
+
+        return batch_unsupported(self)
+
+    def batch(self, max_batch: int):
+        """A verispec.decoding.batch.BatchGenerator of `max_batch` slots over this pipeline's models."""
+        from verispec.assembly.build import batch_generator
+
+        return batch_generator(self, max_batch)
+
+    def generate_batch(self, prompts: Sequence[Prompt], *, max_batch: int = 8, stop: Sequence[str] | str = (),
+                       k: int | str | None = None, generation_config=None, **settings: Any) -> list[Completion]:
+        """One Completion per prompt, at most `max_batch` sequences decoding together (continuous batching:
+        a finished sequence's slot takes the next prompt at once). Sampling keywords as `stream`; each
+        sequence gets its own generator (seed: the same seed for each). Falls back to one at a time where
+        the pipeline cannot batch (`can_batch`)."""
+        if self.can_batch() is not None:
+            return [self.generate(p, stop=stop, k=k, generation_config=generation_config, **settings)
+                    for p in prompts]
+        params, max_new = sampling_settings(generation_config, **settings)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        texts = [ProvenanceText(self.tokenizer, stops) for _ in prompts]
+        requests = [dict(prompt_ids=self.encode(p), params=params, max_new_tokens=max_new, num_draft_tokens=k,
+                         stop=text.assembler.stop_index if stops else None) for p, text in zip(prompts, texts)]
+        for request in requests:  # a bad prompt fails before any is generated
+            self.generator.prepare(request["prompt_ids"], params, max_new, k, (), False, None)
+        batch = self.batch(min(max_batch, len(prompts)) or 1)
+        pending, admitted = list(enumerate(requests)), {}
+        try:
+            while pending or batch.active:
+                while pending and batch.free_slots:
+                    index, request = pending.pop(0)
+                    admitted[batch.add(**request)] = index
+                for request, chunk in batch.step():
+                    texts[admitted[request]].push(chunk)
+        finally:
+            for request in list(batch.active):
+                batch.cancel(request)
+        out = [None] * len(prompts)
+        for request, index in admitted.items():
+            texts[index].finish()
+            res = request.result
+            out[index] = Completion(texts[index].text, list(res.token_ids), res.finish_reason, res.stats)
+        return out
+
+
+def build_pipeline(
+    target: str,
+    draft: str | None,
+    device: str = "auto",
+    dtype: str = "bf16",
+    num_draft_tokens: int | str = 4,
+    drafter: str = "model",
+    draft_quant: str = "auto",
+    backend: str = "hf",
+    draft_backend: str | None = "auto",
+    draft_vocab: int = 0,
+    draft_forward: str = "auto",
+    ctx_size: int | None = None,
+) -> Pipeline:
+    """verispec.assembly.build.build with its specs given as flat arguments (references only; draft None with the
+    'model' or 'hybrid' drafter: plain decoding)."""
+    from verispec.assembly.build import DRAFTERS, DraftSpec, TargetSpec, build
+
+    spec = TargetSpec(target, backend, device, dtype, ctx_size)
+    if drafter in DRAFTERS and not DRAFTERS[drafter].needs_model:
+        draft_spec = DraftSpec(drafter)
+    elif draft is None:
+        draft_spec = None
+    else:
+        draft_spec = DraftSpec(drafter, draft, draft_backend or "auto", draft_quant, draft_vocab, draft_forward,
+                               ctx_size)
+    return build(spec, draft_spec, num_draft_tokens)
+
+
+__all__ = ["Completion", "Piece", "Pipeline", "Prompt", "TextStream", "build_pipeline", "sampling_settings"]

@@ -1,0 +1,110 @@
+"""Which text the target wrote itself and which it accepted from the draft, as the text streams.
+
+The engine commits each round's tokens as a `Committed` chunk: the first `accepted` were drafted and accepted,
+the rest the target produced (a recovered or bonus token). `ProvenanceText` turns those chunks into `Piece`s:
+the newly showable text, how many of the tokens it carries were drafted-and-accepted and how many the target
+produced, and the text split per token (`spans`, one per token, in order).
+
+A piece ends on a token boundary, so every token lies in exactly one piece. Text the TextAssembler holds back
+(an incomplete UTF-8 character, the possible beginning of a stop string) holds back its tokens too; they come
+with the piece that shows their text. Tokens whose text is empty (special tokens; the leading bytes of a
+character that spans tokens, whose text the token completing it carries) or cut (those that complete a stop
+string) have a span with empty or shortened text and come with the next piece, or the last one, which may
+have no text. Over a stream the counts add up to the generated token count and the accepted count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from verispec.pipeline.text import REPLACEMENT, TextAssembler
+
+DRAFT, TARGET = "draft", "target"  # a token drafted and accepted; a token the target produced
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Newly showable text and its tokens' provenance: `spans` holds (text, DRAFT | TARGET) per token."""
+
+    text: str
+    accepted: int
+    target: int
+    spans: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return self.accepted + self.target
+
+
+class ProvenanceText:
+    """Accumulates committed chunks; `push` returns the Piece newly showable (None: nothing yet), `finish`
+    the rest (None: nothing left). `assembler` is the TextAssembler deciding what may be shown (its
+    `stop_index` is the engine's stop callback; its `text` the final text)."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.assembler = TextAssembler(tokenizer, stop)
+        self._sources: list[str] = []  # per generated token: DRAFT or TARGET
+        self._ends: list[int] = []  # per generated token: where its text ends in the decoded text
+        self._done = 0  # tokens already handed out in a piece
+        self._shown = 0  # characters already handed out
+
+    def _decode(self, n: int) -> str:
+        return self.assembler.tokenizer.decode(self.assembler.ids[:n], skip_special_tokens=True,
+                                               clean_up_tokenization_spaces=False)
+
+    def push(self, chunk: Sequence[int], accepted: int | None = None) -> Piece | None:
+        """Add one round's tokens (`accepted`: how many were drafted-and-accepted; default: the chunk's own
+        `.accepted`, else none)."""
+        if accepted is None:
+            accepted = getattr(chunk, "accepted", 0)
+        start = len(self.assembler.ids)
+        self.assembler.push(list(chunk))
+        full = self.assembler._decode(self.assembler.ids)
+        self._sources += [DRAFT] * accepted + [TARGET] * (len(chunk) - accepted)
+        last = self._ends[-1] if self._ends else 0
+        for i in range(start + 1, start + len(chunk) + 1):
+            text = full if i == len(self.assembler.ids) else self._decode(i)
+            end = len(text.rstrip(REPLACEMENT))
+            if not full.startswith(text[:end]):  # a decoder whose prefixes are not prefixes of the whole
+                end = next((j for j, (a, b) in enumerate(zip(text, full)) if a != b), min(end, len(full)))
+            last = max(last, end)
+            self._ends.append(last)
+        limit = self.assembler.shown
+        upto = self._done
+        while upto < len(self._ends) and self._ends[upto] <= limit:
+            upto += 1
+        while upto > self._done and self._ends[upto - 1] == (self._ends[upto - 2] if upto > 1 else 0):
+            upto -= 1  # a trailing token that added no text (yet): it comes with the text that follows
+        if upto == self._done or self._ends[upto - 1] <= self._shown:
+            return None  # no new text: the tokens wait for the piece that shows text
+        return self._piece(upto, self._ends[upto - 1], full)
+
+    def finish(self) -> Piece | None:
+        """The rest once generation ended: the remaining text (cut before a stop string) and every token not
+        handed out yet."""
+        self.assembler.finish()
+        if self._done == len(self._ends):
+            return None
+        text = self.assembler.text
+        return self._piece(len(self._ends), len(text), text)
+
+    def _piece(self, upto: int, end: int, full: str) -> Piece:
+        spans, start = [], self._shown
+        for i in range(self._done, upto):
+            stop = min(self._ends[i], end) if i < upto - 1 else end
+            stop = max(stop, start)
+            spans.append((full[start:stop], self._sources[i]))
+            start = stop
+        accepted = sum(source == DRAFT for _, source in spans)
+        piece = Piece(full[self._shown : end], accepted, len(spans) - accepted, tuple(spans))
+        self._done, self._shown = upto, end
+        return piece
+
+    @property
+    def text(self) -> str:
+        """The text so far (final once `finish` was called): cut before a stop string."""
+        return self.assembler.text
+
+
+__all__ = ["DRAFT", "TARGET", "Piece", "ProvenanceText"]
