@@ -40,8 +40,8 @@ def _set_order(model: nn.Module, oriented: bool) -> None:
 
 
 def main() -> None:
-    from verispec.backends import HFModel
     from verispec.assembly.build import DTYPES
+    from verispec.backends import HFModel
     from verispec.backends.loading import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

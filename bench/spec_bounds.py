@@ -33,7 +33,6 @@ import time
 import torch
 
 import verispec
-from verispec.backends.base import common_prefix_length
 from verispec.apps.bench.bounds import (
     Costs,
     Text,
@@ -42,21 +41,22 @@ from verispec.apps.bench.bounds import (
     mean_accepted_length,
     model_rounds,
     oracle_seconds,
-    perfect_rounds,
     per_source_policy,
     per_source_table,
+    perfect_rounds,
     policy_seconds,
     simulate,
     trace_seconds,
 )
-from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.apps.bench.loader import answer_history, load_prompts, select
+from verispec.backends.base import common_prefix_length
+from verispec.core.sampling import SamplingParams
+from verispec.core.timing import sync
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.pipeline.text import encode_messages, encode_prompt
 from verispec.proposers.draft_model import align_vocab
 from verispec.proposers.ngram import NgramProposer
 from verispec.proposers.suffix import SuffixProposer
-from verispec.core.sampling import SamplingParams
-from verispec.pipeline.text import encode_messages, encode_prompt
-from verispec.core.timing import sync
 
 FREE = {"suffix": SuffixProposer, "ngram": NgramProposer}
 

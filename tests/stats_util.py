@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-
 MIN_SAMPLES = 1000  # a position reached fewer times than this says nothing about its distribution
 
 

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny import make_engine, perturbed, tiny_qwen2
-from verispec.decoding.policies.cost_aware import AcceptanceEstimate, CostAwareK, CostModel, ProbeGate, SourcePolicy, TargetCosts
-from verispec.decoding.policies.base import Plan, RoundReport, RoundView
-from verispec.proposers.ngram import lookup_guess
+
 from verispec.core.sequence import TokenSequence
+from verispec.decoding.policies.base import Plan, RoundReport, RoundView
+from verispec.decoding.policies.cost_aware import (
+    AcceptanceEstimate,
+    CostAwareK,
+    CostModel,
+    ProbeGate,
+    SourcePolicy,
+    TargetCosts,
+)
+from verispec.proposers.ngram import lookup_guess
 
 
 def make_policy(k_max: int = 8, acceptance: list[float] | None = None, t_draft: float | None = None,
@@ -58,8 +65,10 @@ def report(drafted: int, accepted: int, verify_seconds: float, draft_seconds: fl
     if seconds is None:
         seconds = catchup_seconds + draft_seconds + verify_seconds
     steps = 0 if own_draft else drafted
-    return RoundReport(drafted, "x" if drafted else "", drafted, accepted, first, own_draft, steps, draft_seconds,
-                       verify_seconds, catchup_seconds, catchup_tokens, seconds)
+    return RoundReport(k=drafted, source="x" if drafted else "", drafted=drafted, accepted=accepted, first=first,
+                       own_draft=own_draft, draft_steps=steps, draft_seconds=draft_seconds,
+                       verify_seconds=verify_seconds, catchup_seconds=catchup_seconds, catchup_tokens=catchup_tokens,
+                       seconds=seconds)
 
 
 # -- the cost model ------------------------------------------------------------------------------------
@@ -584,8 +593,8 @@ def test_draft_model_time_step_is_part_of_its_catch_up(target):
     """A timed draft step (catch_up of one token) feeds a committed token the draft has not seen: the drafts
     that follow are those of a draft that never timed a step."""
     from verispec.backends import HFModel
-    from verispec.proposers import DraftModelProposer
     from verispec.core.sampling import SamplingParams
+    from verispec.proposers import DraftModelProposer
 
     drafts = []
     for timed in (False, True):
@@ -604,8 +613,8 @@ def test_draft_model_time_step_is_part_of_its_catch_up(target):
 
 def test_draft_model_reports_pending_catch_up(target):
     from verispec.backends import HFModel
-    from verispec.proposers import DraftModelProposer
     from verispec.core.sampling import SamplingParams
+    from verispec.proposers import DraftModelProposer
 
     proposer = DraftModelProposer(HFModel(tiny_qwen2(3)), 64)
     seq = TokenSequence(list(range(1, 11)), 40, torch.device("cpu"))
@@ -692,7 +701,7 @@ def test_engine_learns_costs_before_the_draft_runs(target):
     plain = make_engine(target).generate(prompt, max_new_tokens=30).token_ids
     t = Logged(target, "T")
     draft = DraftModelProposer(Logged(perturbed(target, seed=2, noise=0.05), "D"), t.vocab_size)
-    eng = SpeculativeGenerator(t, draft, num_draft_tokens="auto")
+    eng = SpeculativeGenerator(t, draft, num_draft_tokens="auto", auto_policy=CostAwareK())
     assert eng.generate(prompt, max_new_tokens=30).token_ids == plain
     assert log[:4] == [("T", 8), ("T", 1), ("T", 2), ("D", 1)]
 
@@ -731,7 +740,7 @@ def test_engine_benches_a_draft_with_costs_the_estimates_miss(target):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = make_engine(target).generate(prompt, max_new_tokens=50).token_ids
     eng = SpeculativeGenerator(SlowTarget(target), SlowRollback(HFModel(target), target.config.vocab_size),
-                               num_draft_tokens="auto")
+                               num_draft_tokens="auto", auto_policy=CostAwareK())
     rounds = []  # (k planned, the gate benched after the round)
     real = eng._round
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
 
-from verispec.backends import HFModel
+from verispec.apps.cli import main
 from verispec.assembly.build import (
     DEFAULTS,
     DRAFTERS,
@@ -28,7 +28,7 @@ from verispec.assembly.build import (
     resolve,
     warm_up,
 )
-from verispec.apps.cli import main
+from verispec.backends import HFModel
 from verispec.backends.loading import eog_ids_of_vocab, eog_token_ids
 from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET, MANIFEST
 

@@ -10,7 +10,13 @@ import pytest
 from tiny import save_tiny_pair
 
 import verispec.apps.bench.harness as harness
-from verispec.apps.bench.harness import Bench, Config, balanced_orders, first_difference, run_benchmark
+from verispec.apps.bench.harness import (
+    Bench,
+    Config,
+    balanced_orders,
+    first_difference,
+    run_benchmark,
+)
 from verispec.apps.bench.loader import Prompt, answer_history, load_prompts, select
 from verispec.apps.bench.report import (
     alpha_from_mean_length,
@@ -18,8 +24,8 @@ from verispec.apps.bench.report import (
     leviathan_bound,
     write_plots,
 )
-from verispec.assembly.build import BACKENDS, Backend, DraftSpec, TargetSpec
 from verispec.apps.cli import main
+from verispec.assembly.build import BACKENDS, Backend, DraftSpec, TargetSpec
 from verispec.core.sampling import SamplingParams
 from verispec.pipeline.text import encode_messages
 
@@ -280,7 +286,7 @@ def test_cli_bench_draft_variants_same_run(pair_dirs, tmp_path, capsys):
 
 def test_parse_draft_variant():
     from verispec.apps.bench.harness import parse_draft_variant
-    from verispec.names.models import ModelError
+    from verispec.names.errors import ModelError
 
     assert parse_draft_variant("llamacpp") == ("llamacpp", "none", 0, "auto")
     assert parse_draft_variant("hf-int4-v32768") == ("hf", "int4", 32768, "auto")

@@ -8,9 +8,8 @@ import random
 
 import pytest
 import torch
-
 from tiny import make_engine, perturbed, tiny_qwen2
-from verispec.backends import HFModel
+
 from verispec.apps.bench.bounds import (
     Costs,
     Text,
@@ -19,16 +18,17 @@ from verispec.apps.bench.bounds import (
     free_rounds,
     model_rounds,
     oracle_seconds,
-    perfect_rounds,
     per_source_table,
+    perfect_rounds,
     policy_seconds,
     simulate,
 )
-from verispec.decoding.policies.cost_aware import CostAwareK
-from verispec.decoding.policies.base import FixedK, Plan
-from verispec.proposers import NgramProposer, SuffixProposer
-from verispec.proposers.base import Draft
+from verispec.backends import HFModel
+from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
+from verispec.decoding.policies.base import FixedK, Plan
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.proposers import NgramProposer, SuffixProposer
 
 PROMPTS = [[5, 9, 13, 5, 9, 13, 21, 5, 9], [40, 41, 42, 43, 40, 41, 42, 7, 8, 40], [3, 3, 17, 29, 3, 3, 17]]
 K_MAX = 6

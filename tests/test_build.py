@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
 
-from verispec.backends.llamacpp import CONTEXT_STEP, context_size, gguf_metadata, kv_bytes_per_token
+from verispec.apps.cli import main
 from verispec.assembly.build import (
     BACKENDS,
     DRAFTERS,
@@ -23,7 +23,12 @@ from verispec.assembly.build import (
     default_refs,
     resolve,
 )
-from verispec.apps.cli import main
+from verispec.backends.llamacpp import (
+    CONTEXT_STEP,
+    context_size,
+    gguf_metadata,
+    kv_bytes_per_token,
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 from tiny import save_tiny_pair
 
 from verispec.apps.chat import ChatBot
+from verispec.assembly.build import build_pipeline
 from verispec.names.models import installed
-from verispec.pipeline.pipeline import build_pipeline
 from verispec.pipeline.text import encode_messages
 
 

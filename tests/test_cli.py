@@ -138,7 +138,7 @@ def test_llamacpp_backend_without_the_extra_says_how_to_install(pair_dirs, capsy
     import sys
 
     from verispec.backends.llamacpp import import_llama_cpp
-    from verispec.names.models import ModelError
+    from verispec.names.errors import ModelError
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
     with pytest.raises(ModelError, match=r"pip install -e '\.\[llamacpp\]'"):

@@ -10,7 +10,7 @@ from tiny import make_engine, perturbed, tiny_qwen2
 import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
-from verispec.proposers.base import Draft
+from verispec.core.draft import Draft
 
 ALPHA = 1e-4
 
@@ -103,7 +103,7 @@ def test_one_target_pass_per_round_prefill_included(pair, drafter):
     from verispec.proposers import NgramProposer
 
     class Silent(NgramProposer):  # an n-gram drafter that never finds a match
-        def propose(self, seq, k):
+        def propose(self, seq, k, depth=None):
             return Draft(seq.device_ids.new_empty(0), None)
 
     target, draft = pair
@@ -342,7 +342,7 @@ def test_loop_negative_control_fails(small_vocab_pair, monkeypatch):
         bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
         return torch.full((draft_tokens.shape[0],), k), bonus
 
-    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
     exact = _exact_marginals(target, [3, 1, 2], params, 2)
     counts = _engine_histograms(target, draft, params, n=3000, k=2, steps=2, seed0=0)
     assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(2)) < ALPHA

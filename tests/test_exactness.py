@@ -19,10 +19,11 @@ from stats_util import chi2_pvalue, total_variation
 from tiny import byte_tokenizer, make_engine, perturbed, tiny_qwen2
 
 from verispec.backends import HFModel
-from verispec.decoding.engine import SpeculativeGenerator
-from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.core.sampling import SamplingParams, probs_from_logits
+from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.pipeline.text import TextAssembler
+from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 
 ALPHA = 1e-4
 N = 6000
@@ -107,7 +108,7 @@ def pair():
 
 
 def _engine(target, proposer, k=2):
-    return SpeculativeGenerator(target, proposer, num_draft_tokens=k)
+    return SpeculativeGenerator(target, proposer, num_draft_tokens=k, auto_policy=CostAwareK())
 
 
 # -- the loop's marginals under each sampling option and draft kind ---------------------------------------

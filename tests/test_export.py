@@ -108,7 +108,7 @@ def test_known_names_resolve_to_the_cache(tmp_path, monkeypatch):
 
 
 def test_a_gguf_is_refused_for_vllm(tmp_path):
-    from verispec.names.models import ModelError
+    from verispec.names.errors import ModelError
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"")

@@ -15,8 +15,8 @@ from verispec.backends import HFModel
 from verispec.backends import lean as lean_module
 from verispec.backends.lean import LeanModel, lean_unsupported
 from verispec.backends.quant import quantize_model
-from verispec.core.sampling import SamplingParams
 from verispec.backends.vocab import restrict_head
+from verispec.core.sampling import SamplingParams
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:

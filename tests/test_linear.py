@@ -6,11 +6,18 @@ from tiny import save_tiny_pair
 from torch import nn
 from torch.nn import functional as F
 
+import verispec.backends.linear
+from verispec.assembly.build import DraftSpec, TargetSpec, build
 from verispec.backends import HFModel
 from verispec.backends.lean import LeanModel
-from verispec.assembly.build import DraftSpec, TargetSpec, build
-import verispec.backends.linear
-from verispec.backends.linear import ORIENT_MAX_ROWS, ORIENT_MIN_WEIGHT, OrientedLinear, linear, orient_linears, oriented
+from verispec.backends.linear import (
+    ORIENT_MAX_ROWS,
+    ORIENT_MIN_WEIGHT,
+    OrientedLinear,
+    linear,
+    orient_linears,
+    oriented,
+)
 from verispec.backends.quant import Int4Linear
 
 

@@ -16,7 +16,8 @@ import pytest
 
 import verispec.backends.llamacpp as llamacpp
 from verispec.assembly.build import SpecError, TargetSpec, _check_exact_kernels
-from verispec.names.models import DEFAULT_TARGET, ModelError
+from verispec.names.errors import ModelError
+from verispec.names.models import DEFAULT_TARGET
 
 VERISPEC_BUILD = ("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | VERISPEC_BUILD = 0123abcd | "
                   "VERISPEC_MULTICOL = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")

@@ -13,6 +13,7 @@ import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
 from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 
 pytestmark = pytest.mark.integration
@@ -137,7 +138,7 @@ def test_bad_input(llama):
 
 def test_missing_gguf_is_a_clear_error(tmp_path):
     from verispec.backends.loading import resolve_gguf
-    from verispec.names.models import ModelError
+    from verispec.names.errors import ModelError
 
     with pytest.raises(ModelError, match="GGUF"):
         resolve_gguf(str(tmp_path))
@@ -204,7 +205,8 @@ def test_llama_draft_hf_target_greedy_identical(llama_draft, hf_model, prompt, k
 def test_auto_k_on_llama(llama, llama_draft, prompt):
     proposer = DraftModelProposer(llama_draft, llama.vocab_size)
     plain = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=40)
-    spec = SpeculativeGenerator(llama, proposer, num_draft_tokens="auto").generate(prompt, max_new_tokens=40)
+    spec = SpeculativeGenerator(llama, proposer, num_draft_tokens="auto", auto_policy=CostAwareK())
+    spec = spec.generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
 
 
@@ -274,7 +276,7 @@ def test_llama_negative_control_fails(llama, noisy_hf, prompt, monkeypatch):
         return torch.full((draft_tokens.shape[0],), k), bonus
 
     exact = _marginals(llama, prompt, PARAMS)
-    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
     engine = SpeculativeGenerator(llama, DraftModelProposer(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
     counts = _histograms(engine, prompt, PARAMS, n=N_GEN // 2)
     assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN // 2) for pos in range(2)) < ALPHA

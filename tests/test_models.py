@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from verispec.names import models
 from verispec.apps.cli import main
 from verispec.backends.loading import resolve
-from verispec.names.models import KnownModel, ModelError
+from verispec.names import models
+from verispec.names.errors import ModelError
+from verispec.names.models import KnownModel
 
 CHUNKS = [os.urandom(3000), os.urandom(2500), os.urandom(17)]
 WHOLE = b"".join(CHUNKS)

@@ -17,16 +17,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 import test_exactness as exactness
 import test_verify
+import torch
 
 import verispec.decoding.engine as engine_module
 import verispec.proposers.draft_model as draft_module
-from verispec.core import sampling, verify
 from verispec.backends import HFModel
-from verispec.proposers import DraftModelProposer
+from verispec.core import sampling, verify
 from verispec.core.sampling import SamplingParams
+from verispec.proposers import DraftModelProposer
 
 ALPHA = test_verify.ALPHA
 VERIFIER_PARAMS = SamplingParams(temperature=0.9)
@@ -91,7 +91,7 @@ def test_presence_shifted_by_one_draft(monkeypatch, pair):
         rows = real(presence, tokens)
         return torch.cat([rows[1:], rows[-1:]])
 
-    monkeypatch.setattr(engine_module, "presence_rows", mutant)
+    monkeypatch.setattr("verispec.core.rows.presence_rows", mutant)
     target, draft = pair
     params = SamplingParams(temperature=1.0, repetition_penalty=1.8)
     exact = exactness.exact_marginals(exactness.hf_logits(target), exactness.PROMPT, params, exactness.STEPS, 8)

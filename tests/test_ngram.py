@@ -104,7 +104,7 @@ def test_ngram_negative_control_fails(small_vocab_target, monkeypatch):
         k = draft_tokens.shape[1]
         return torch.full((draft_tokens.shape[0],), k), torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
 
-    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
     params = SamplingParams(temperature=1.0)
     exact = _exact_marginals(small_vocab_target, [3, 1, 2, 3, 1], params, 3)
     counts, _ = _histograms(small_vocab_target, params, "ngram", 1000, 3)
@@ -116,9 +116,9 @@ def test_hybrid_looks_up_once_per_round(monkeypatch):
     import torch
 
     import verispec.proposers.ngram as ngram_module
-    from verispec.proposers import HybridProposer, NgramProposer
     from verispec.core.sampling import SamplingParams
     from verispec.core.sequence import TokenSequence
+    from verispec.proposers import HybridProposer, NgramProposer
 
     class NoModel:
         def start(self, *args):
@@ -143,9 +143,9 @@ def test_ngram_names_its_source_by_match_length():
     """Long matches, short matches and no match are separate sources for the k policy."""
     import torch
 
-    from verispec.proposers import NgramProposer
     from verispec.core.sampling import SamplingParams
     from verispec.core.sequence import TokenSequence
+    from verispec.proposers import NgramProposer
 
     ngram = NgramProposer(max_ngram=4, min_ngram=1, min_confident=3)
     seq = TokenSequence([1, 2, 3, 4, 9, 1, 2, 3], 32, torch.device("cpu"))

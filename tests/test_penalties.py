@@ -12,7 +12,12 @@ from stats_util import chi2_pvalue
 from tiny import make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
-from verispec.core.sampling import count_rows, probs_from_logits, process_logits, token_counts
+from verispec.core.sampling import (
+    count_rows,
+    probs_from_logits,
+    process_logits,
+    token_counts,
+)
 
 ALPHA = 1e-4
 PROMPT = [3, 1, 2]
@@ -150,11 +155,10 @@ def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pai
     """Exact, before the statistics: the target's k+1 verify rows and the draft's q for k drafts equal
     what plain decoding computes at each of those positions (its own counts, its own position)."""
     from verispec.backends import HFModel
-    from verispec.proposers import DraftModelProposer
+    from verispec.core.rows import target_rows
     from verispec.core.sampling import make_generator
     from verispec.core.sequence import TokenSequence
-
-    from verispec.decoding.engine import target_rows
+    from verispec.proposers import DraftModelProposer
 
     target, draft = small_vocab_pair
     generated = [4, 4, 6]
@@ -194,7 +198,7 @@ def test_penalised_loop_negative_control(small_vocab_pair, monkeypatch):
     not counted): exactness needs the per-row counts."""
     import verispec.decoding.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "count_rows", lambda c, tokens: c.unsqueeze(0).repeat(tokens.numel() + 1, 1))
+    monkeypatch.setattr("verispec.core.rows.count_rows", lambda c, tokens: c.unsqueeze(0).repeat(tokens.numel() + 1, 1))
     target, draft = small_vocab_pair
     exact = _exact_marginals(target, PENALISED, 3)
     counts = _loop_histograms(target, draft, PENALISED, 3, 400)  # the defect is large: p ~1e-28 at this N

@@ -359,8 +359,8 @@ def test_a_job_submitted_as_the_worker_dies_is_refused_not_stranded(monkeypatch)
     import asyncio
     from types import SimpleNamespace
 
-    from verispec.core.sampling import SamplingParams
     from verispec.apps.server.worker import Job, ShuttingDown, Worker
+    from verispec.core.sampling import SamplingParams
 
     gauge = SimpleNamespace(set=lambda value: None)
     worker = Worker(SimpleNamespace(), max_queue=4, metrics=SimpleNamespace(waiting=gauge, running=gauge))

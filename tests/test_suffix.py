@@ -14,9 +14,10 @@ from tiny import tiny_qwen2
 import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
-from verispec.decoding.engine import SpeculativeGenerator
-from verispec.proposers.suffix import SuffixProposer, SuffixTrie, _Text
 from verispec.core.sequence import TokenSequence
+from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.proposers.suffix import SuffixProposer, SuffixTrie, _Text
 
 ALPHA = 1e-4
 REPETITIVE = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
@@ -30,14 +31,15 @@ class Recording(SuffixProposer):
         super().__init__(**kwargs)
         self.drafts: list[list[int]] = []
 
-    def propose(self, seq, k):
+    def propose(self, seq, k, depth=None):
         draft = super().propose(seq, k)
         self.drafts.append(draft.tokens.tolist())
         return draft
 
 
 def engine(target, proposer=None, k=4, eos=()) -> SpeculativeGenerator:
-    return SpeculativeGenerator(HFModel(target), proposer, eos_token_ids=eos, num_draft_tokens=k)
+    return SpeculativeGenerator(HFModel(target), proposer, eos_token_ids=eos, num_draft_tokens=k,
+                                auto_policy=CostAwareK())
 
 
 def seq_of(prompt: list[int]) -> TokenSequence:
@@ -340,7 +342,7 @@ def test_sampling_negative_control_fails(small_vocab_target, monkeypatch):
         bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
         return torch.full((draft_tokens.shape[0],), k), bonus
 
-    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
     params = SamplingParams(temperature=1.0)
     exact = _exact_marginals(small_vocab_target, PROMPT, params, 3)
     counts, _ = _histograms(small_vocab_target, params, 1000, 3)

@@ -11,15 +11,16 @@ from test_engine import ALPHA, _exact_marginals
 from tiny import make_engine, perturbed, text_pair, tiny_qwen2
 
 import verispec
-from verispec.decoding import engine as engine_module
 from verispec.backends.lean import LeanModel
-from verispec.decoding.engine import SpeculativeGenerator, target_rows
-from verispec.decoding.policies.base import RoundReport, RoundView
-from verispec.proposers.tree_draft import TreeDraftModel
+from verispec.core.rows import target_rows, tree_rows
 from verispec.core.sampling import SamplingParams, sample
 from verispec.core.sequence import TokenSequence
-from verispec.core.tree import ROOT, TokenTree, tree_rows, verify_tree
+from verispec.core.tree import ROOT, TokenTree, verify_tree
+from verispec.decoding import engine as engine_module
+from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.base import RoundReport, RoundView
 from verispec.decoding.policies.tree_budget import AcceptedTable, TreeBudget, VerifyCost
+from verispec.proposers.tree_draft import TreeDraftModel
 
 EOS = 7
 
@@ -32,7 +33,8 @@ def pair():
 
 def tree_engine(target, draft, k=8, eos=(EOS,), width=3, max_depth=4) -> SpeculativeGenerator:
     proposer = TreeDraftModel(LeanModel(draft), target.config.vocab_size, width=width, max_depth=max_depth)
-    return SpeculativeGenerator(LeanModel(target), proposer, eos_token_ids=eos, num_draft_tokens=k)
+    return SpeculativeGenerator(LeanModel(target), proposer, eos_token_ids=eos, num_draft_tokens=k,
+                                auto_policy=TreeBudget())
 
 
 def random_tree(rng: random.Random, m: int, vocab: int) -> TokenTree:
@@ -334,9 +336,16 @@ def test_accepted_table_measures_every_smaller_tree():
     assert table.expected(2, 4) == 2.0
 
 
+def _plain_report(seconds):
+    return RoundReport(k=0, source="", drafted=0, accepted=0, first=False, own_draft=False, draft_steps=0,
+                       draft_seconds=0.0, verify_seconds=seconds, catchup_seconds=0.0, catchup_tokens=0, seconds=seconds)
+
+
 def _report(tree, path, verify_seconds, draft_seconds=0.02, steps=4):
-    return RoundReport(len(tree), "tree", len(tree), len(path), False, False, steps, draft_seconds, verify_seconds,
-                       0.0, 0, draft_seconds + verify_seconds, tree, tuple(path))
+    return RoundReport(k=len(tree), source="tree", drafted=len(tree), accepted=len(path), first=False, own_draft=False,
+                       draft_steps=steps, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
+                       catchup_seconds=0.0, catchup_tokens=0, seconds=draft_seconds + verify_seconds, tree=tree,
+                       path=tuple(path))
 
 
 def test_budget_policy_drafts_trees_only_where_they_pay():
@@ -346,7 +355,7 @@ def test_budget_policy_drafts_trees_only_where_they_pay():
     for accepted, verify, expect_tree in ((4, 0.12, True), (0, 0.40, False)):
         policy = TreeBudget(max_nodes=4, max_depth=4, probe_every=1000)
         assert policy.choose(view).k == 0  # a plain round first: the pass trees are weighed against
-        policy.observe(RoundReport(0, "", 0, 0, False, False, 0, 0.0, 0.10, 0.0, 0, 0.10))
+        policy.observe(_plain_report(0.10))
         first = policy.choose(view)
         assert (first.k, first.depth) == (4, 4)  # nothing measured yet: the largest tree probes
         for _ in range(5):
@@ -363,7 +372,7 @@ def test_budget_policy_caps_depth_and_probes():
     seq = TokenSequence([1, 2, 3], 64, "cpu")
     tree = TokenTree(torch.tensor([1, 2, 3, 4]), [ROOT, 0, 1, 2], [0.9, 0.8, 0.7, 0.6])
     policy = TreeBudget(max_nodes=4, max_depth=4, probe_every=4)
-    policy.observe(RoundReport(0, "", 0, 0, False, False, 0, 0.0, 0.10, 0.0, 0, 0.10))
+    policy.observe(_plain_report(0.10))
     for _ in range(5):
         policy.observe(_report(tree, [0, 1, 2, 3], 0.12))
     plans = [policy.choose(RoundView(seq, 50, "tree", 0, lambda: None)) for _ in range(8)]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from stats_util import chi2_pvalue, total_variation
 
-from verispec.core.sampling import SamplingParams, probs_from_logits
 from verispec.core import verify
+from verispec.core.sampling import SamplingParams, probs_from_logits
 from verispec.core.verify import (
     acceptance_probability,
     greedy_verify,

@@ -7,6 +7,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verispec.backends import HFModel
 from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.proposers import DraftModelProposer
 
 
@@ -53,7 +54,7 @@ def make_engine(target, draft=None, k: int = 4, eos=(), drafter: str = "model") 
         proposer = NgramProposer(max_ngram=3, min_ngram=1)
     elif drafter == "hybrid":
         proposer = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1, min_confident=2), proposer)
-    return SpeculativeGenerator(t, proposer, eos_token_ids=eos, num_draft_tokens=k)
+    return SpeculativeGenerator(t, proposer, eos_token_ids=eos, num_draft_tokens=k, auto_policy=CostAwareK())
 
 
 CHAT_TEMPLATE = (

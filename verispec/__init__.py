@@ -9,23 +9,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from verispec.core.sampling import SamplingParams
 from verispec.decoding.engine import GenerationResult, SpeculativeGenerator
 from verispec.decoding.stats import SpecStats
-from verispec.core.sampling import SamplingParams
+from verispec.names import __version__
 
 if TYPE_CHECKING:
-    from verispec.assembly.build import DraftSpec, ModelStore, SpecError, TargetSpec, build, load
     from verispec.apps.chat import ChatBot
-    from verispec.names.models import ModelError
+    from verispec.assembly.build import DraftSpec, ModelStore, TargetSpec, build, load
+    from verispec.names.errors import ModelError, SpecError
     from verispec.pipeline.pipeline import Completion, Pipeline, TextStream
-
-__version__ = "0.1.0"
 
 # imported on first use: they bring in transformers, which the command line's light paths do without
 _LAZY = {
-    "DraftSpec": "verispec.assembly.build", "ModelStore": "verispec.assembly.build", "SpecError": "verispec.assembly.build",
-    "TargetSpec": "verispec.assembly.build", "build": "verispec.assembly.build", "load": "verispec.assembly.build", "ChatBot": "verispec.apps.chat",
-    "ModelError": "verispec.names.models", "Completion": "verispec.pipeline.pipeline", "Pipeline": "verispec.pipeline.pipeline",
+    "DraftSpec": "verispec.assembly.build", "ModelStore": "verispec.assembly.build",
+    "TargetSpec": "verispec.assembly.build", "build": "verispec.assembly.build", "load": "verispec.assembly.build",
+    "ChatBot": "verispec.apps.chat", "ModelError": "verispec.names.errors", "SpecError": "verispec.names.errors",
+    "Completion": "verispec.pipeline.pipeline", "Pipeline": "verispec.pipeline.pipeline",
     "TextStream": "verispec.pipeline.pipeline",
 }
 

@@ -12,10 +12,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from verispec.core.sampling import SamplingParams
 from verispec.decoding.stats import SpecStats
+from verispec.names.k import DEFAULT_K
 from verispec.pipeline.pipeline import Pipeline
 from verispec.pipeline.provenance import Piece, ProvenanceText
-from verispec.core.sampling import SamplingParams
 from verispec.pipeline.text import encode_messages
 
 
@@ -69,7 +70,7 @@ class ChatBot:
 
     @classmethod
     def from_models(cls, target: str | None = None, draft: str | None = None, device: str = "auto",
-                    dtype: str | None = None, num_draft_tokens: int | str = 4, **kwargs) -> "ChatBot":
+                    dtype: str | None = None, num_draft_tokens: int | str = DEFAULT_K, **kwargs) -> "ChatBot":
         """A ChatBot over verispec.load(target, draft) (None, None: the default pair; dtype None: the device's
         fastest, see verispec.assembly.build.choose_dtype)."""
         from verispec.assembly.build import load

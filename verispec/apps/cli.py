@@ -16,12 +16,12 @@ import shlex
 import sys
 import tempfile
 
-from verispec import __version__
-from verispec.names.models import DEFAULT_PAIR, KNOWN_MODELS, ModelError
+from verispec.names import __version__
+from verispec.names.drafters import DRAFTER_NAMES, FREE_DRAFTERS
+from verispec.names.errors import ModelError
+from verispec.names.k import DEFAULT_K
+from verispec.names.models import DEFAULT_PAIR, KNOWN_MODELS
 
-# verispec.assembly.build.DRAFTERS, without importing torch to parse flags (a test checks they agree)
-DRAFTER_NAMES = ("model", "ngram", "suffix", "hybrid", "hybrid-suffix", "tree")
-FREE_DRAFTERS = ("ngram", "suffix")  # the drafters that take no draft model
 DEFAULT_MAX_BATCH = 8  # serve --max-batch: see docs/performance.md (Batched serving)
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -82,7 +82,7 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                        help="model: the draft LM; ngram: prompt lookup (no draft model); suffix: suffix-tree lookup "
                             "over the text and earlier outputs (no draft model); hybrid / hybrid-suffix: n-gram / "
                             "suffix lookup when it matches confidently, else the draft LM (default: the target "
-                            "backend's default drafter, verispec.assembly.build.DEFAULTS; model when --draft is given)")
+                            "backend's default drafter, verispec.names.k.DEFAULTS; model when --draft is given)")
         p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=None,
                        help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: the target "
                             "backend's default with its default drafter; else 4, or auto when the target or the "
@@ -281,8 +281,8 @@ def _color(args) -> bool:
 
 
 def cmd_generate(args) -> int:
-    from verispec.pipeline.provenance import ProvenanceText
     from verispec.apps.repl import LEGEND, TokenWriter
+    from verispec.pipeline.provenance import ProvenanceText
     from verispec.pipeline.text import encode_prompt
 
     params = _sampling(args)
@@ -466,7 +466,12 @@ def cmd_bench(args) -> int:
         TimeRemainingColumn,
     )
 
-    from verispec.apps.bench.harness import Bench, Config, parse_draft_variant, run_benchmark
+    from verispec.apps.bench.harness import (
+        Bench,
+        Config,
+        parse_draft_variant,
+        run_benchmark,
+    )
     from verispec.apps.bench.report import build_report, render_table, write_plots
 
     params = _sampling(args)
@@ -802,7 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--per-category", type=_positive_int, metavar="N",
                    help="at most N prompts per category (default: all)")
     b.add_argument("--categories", help="only these categories, e.g. code-editing,summarization (default: all)")
-    b.add_argument("--num-draft-tokens", "-k", default="4", help="k values to compare, e.g. 2,4,6,auto")
+    b.add_argument("--num-draft-tokens", "-k", default=str(DEFAULT_K), help="k values to compare, e.g. 2,4,6,auto")
     b.add_argument("--drafters", default="model", help="drafters to compare, e.g. model,ngram,hybrid")
     b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup", "llama", "llama-lookup"],
                    help="also run an external reference: hf = Hugging Face assisted generation, "

@@ -28,9 +28,11 @@ import json
 import shlex
 from dataclasses import dataclass
 
+from verispec.names.k import DEFAULT_K
+
 ENGINES = ("vllm", "sglang", "llama-server")
 DRAFTERS = ("model", "ngram", "hybrid")
-AUTO_K = 4  # the fixed k used where cost-aware k has no equivalent (verispec's own fixed default)
+AUTO_K = DEFAULT_K  # the fixed k used where cost-aware k has no equivalent
 NGRAM_MAX, NGRAM_MIN = 4, 2  # verispec's prompt lookup: longest and shortest suffix it matches
 
 
@@ -184,7 +186,7 @@ def locate(engine: str, ref: str) -> str:
     """Where an engine finds a model: llama-server a GGUF file, vLLM and SGLang a Hugging Face directory or
     hub id. Known names resolve to the cache (models/NAME/model.gguf, models/NAME/hf)."""
     from verispec.backends.loading import resolve, resolve_gguf
-    from verispec.names.models import ModelError
+    from verispec.names.errors import ModelError
 
     if engine == "llama-server":
         return resolve_gguf(ref)

@@ -12,6 +12,7 @@ device, dtype), `ModelStore` loads each model once however many pipelines use it
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -25,9 +26,7 @@ import torch
 from verispec.backends import HFModel
 from verispec.backends.base import Model
 from verispec.backends.lean import LeanBatch, LeanModel, LeanNet, lean_unsupported
-from verispec.decoding.batch import BatchGenerator
-from verispec.proposers.rows import BatchDraftModel, ProposerRows
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.backends.linear import orient_linears
 from verispec.backends.loading import (
     DTYPES,
     check_same_vocabulary,
@@ -40,30 +39,41 @@ from verispec.backends.loading import (
     resolve_gguf,
 )
 from verispec.backends.loading import resolve as resolve_source
-from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, installed, pull
-from verispec.pipeline.pipeline import Pipeline
-from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
-from verispec.proposers.base import Proposer
-from verispec.proposers.tree_draft import TreeDraftModel
-from verispec.backends.linear import orient_linears
-from verispec.backends.quant import QUANT_MODES, quantize_model
+from verispec.backends.quant import quantize_model
 from verispec.backends.vocab import frequent_tokens, restrict_head
-
-BACKEND_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp"}
-DRAFT_FORWARDS = ("auto", "lean", "transformers")
-DEVICES = ("auto", "cpu", "cuda")
-
-
-class SpecError(ModelError):
-    """A specification refused. `field` names the spec field at fault ('draft.vocab', 'target.device', 'k');
-    `fixes` lists (field, value) settings that would be accepted instead (value None: leave the field out),
-    so that a front end can name its own options for them. `runtime`: the settings are valid, the machine
-    cannot honour them (a model not installed, an architecture a loader does not support)."""
-
-    def __init__(self, message: str, field: str, fixes: tuple[tuple[str, Any], ...] = (),
-                 runtime: bool = False) -> None:
-        super().__init__(message)
-        self.field, self.fixes, self.runtime = field, fixes, runtime
+from verispec.decoding.batch import BatchGenerator
+from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.base import KPolicy
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.decoding.policies.tree_budget import TreeBudget
+from verispec.names.drafters import (
+    BACKEND_NAMES,
+    BATCH_DRAFTERS,
+    DEVICES,
+    DRAFT_FORWARDS,
+    QUANT_MODES,
+)
+from verispec.names.errors import ModelError, SpecError
+from verispec.names.k import (
+    DEFAULT_K,
+    DEFAULTS,
+    K_MAX,
+    Defaults,
+    default_drafter,
+    default_k,
+)
+from verispec.names.k import check_k as names_check_k
+from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed, pull
+from verispec.pipeline.pipeline import Pipeline
+from verispec.proposers import (
+    DraftModelProposer,
+    HybridProposer,
+    NgramProposer,
+    SuffixProposer,
+)
+from verispec.proposers.base import Proposer
+from verispec.proposers.rows import BatchDraftModel, ProposerRows
+from verispec.proposers.tree_draft import TreeDraftModel
 
 
 def is_loaded(model: object) -> bool:
@@ -184,10 +194,11 @@ def _label(model: object) -> str:
 
 
 def check_k(k: int | str) -> int | str:
-    """k: draft tokens per round, an integer >= 0 (0: plain decoding) or 'auto' (cost-aware adaptive k)."""
-    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise SpecError(f"k must be an integer >= 0 or 'auto', got {k!r}", "k")
-    return k
+    """k: draft tokens per round (names.k.check_k) as a spec field."""
+    try:
+        return names_check_k(k)
+    except ValueError as exc:
+        raise SpecError(str(exc), "k") from exc
 
 
 # -- registries ------------------------------------------------------------------------------------
@@ -266,10 +277,12 @@ BACKENDS: dict[str, Backend] = {
 @dataclass(frozen=True)
 class Drafter:
     """A registry entry: `make(draft model or None, the target's vocabulary size) -> Proposer`;
-    `needs_model`: whether it drafts with a draft LM."""
+    `needs_model`: whether it drafts with a draft LM; `auto_policy(k_max) -> KPolicy`: the policy of k = 'auto'
+    (token trees: their node budget and depth; chains: cost-aware k)."""
 
     make: Callable[[Model | None, int], Proposer]
     needs_model: bool
+    auto_policy: Callable[[int], KPolicy] = CostAwareK
 
 
 DRAFTERS: dict[str, Drafter] = {
@@ -280,7 +293,8 @@ DRAFTERS: dict[str, Drafter] = {
                       needs_model=True),
     "hybrid-suffix": Drafter(lambda model, vocab: HybridProposer(SuffixProposer(), DraftModelProposer(model, vocab)),
                              needs_model=True),
-    "tree": Drafter(lambda model, vocab: TreeDraftModel(model, vocab), needs_model=True),
+    "tree": Drafter(lambda model, vocab: TreeDraftModel(model, vocab), needs_model=True,
+                    auto_policy=lambda k_max: TreeBudget()),
 }
 
 
@@ -408,37 +422,6 @@ def choose_draft_quant(draft_quant: str, draft_backend: str, device: torch.devic
     return "int4" if draft_backend == "hf" and device.type == "cpu" else "none"
 
 
-def default_k(target_backend: str, draft_backend: str | None) -> int | str:
-    """k when none is asked for: 'auto' where llama.cpp runs (a verify pass over k + 1 tokens costs ~1.5-3x
-    one token there, so a fixed k can be slower than plain decoding), else 4."""
-    return "auto" if "llamacpp" in (target_backend, draft_backend) else 4
-
-
-@dataclass(frozen=True)
-class Defaults:
-    """The drafter and k a target backend gets when the user names neither."""
-
-    drafter: str
-    k: int | str
-
-
-# per target backend; a drafter that takes no draft model (ngram, suffix) loads none, which shortens the load
-DEFAULTS: dict[str, Defaults] = {
-    "hf": Defaults("model", 4),
-    "llamacpp": Defaults("suffix", "auto"),
-}
-
-
-def default_drafter(backend: str, has_model: bool) -> str:
-    """The drafter for DraftSpec's 'auto' on a target backend: DEFAULTS' choice, unless a draft model is given
-    and that drafter takes none (then 'model': a draft model the user names is used). A backend without an
-    entry drafts with a draft model."""
-    drafter = DEFAULTS[backend].drafter if backend in DEFAULTS else "model"
-    if has_model and not DRAFTERS[drafter].needs_model:
-        return "model"
-    return drafter
-
-
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -551,7 +534,7 @@ def _model_key(model: object) -> object:
     return ("loaded", id(model)) if is_loaded(model) else model
 
 
-WARM_UP_TOKENS = 9  # the widest verify pass at the default k_max (8 drafts + 1)
+WARM_UP_TOKENS = K_MAX + 1  # the widest verify pass at the default k_max
 
 
 def warm_up(model: Model) -> None:
@@ -646,7 +629,7 @@ def _forward_name(model: Model | None, backend: str | None) -> str:
     return "lean" if isinstance(model, LeanModel) else "transformers"
 
 
-def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | None = None, *, k_max: int = 8,
+def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | None = None, *, k_max: int = K_MAX,
           store: ModelStore | None = None) -> Pipeline:
     """A pipeline for `target` drafted by `draft` (None: plain decoding) with k draft tokens per round (an
     integer >= 0, 'auto', or None: DEFAULTS' k for the backend's default drafter with any draft model on the
@@ -702,14 +685,18 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     eos = sorted({*eos, *end})
     if k is None:
         k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
-    generator = SpeculativeGenerator(target_model, proposer, eos, k, k_max)
+    policy = None if draft is None else DRAFTERS[draft.drafter].auto_policy(k_max)
+    generator = SpeculativeGenerator(target_model, proposer, eos, k, auto_policy=policy)
     kernels = None
     if "llamacpp" in (target.backend, draft_backend):
         from verispec.backends.llamacpp import kernels as llama_kernels
 
         kernels = llama_kernels().describe()
-    return Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
+    pipe = Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
                     times, reason, kernels)
+    batch_reason = batch_unsupported(pipe)
+    return replace(pipe, batch_reason=batch_reason,
+                   make_batch=None if batch_reason else functools.partial(batch_generator, pipe))
 
 
 def _check_exact_kernels(target: TargetSpec, k: int | str | None) -> None:
@@ -742,7 +729,6 @@ def _tree_models(target: Model, draft: Model) -> tuple[Model, Model]:
     return lean, draft
 
 
-BATCH_DRAFTERS = ("model", "ngram", "suffix")  # the drafters a batch runs (verispec.decoding.batch)
 _LEAN_NETS: "weakref.WeakKeyDictionary[Any, LeanNet]" = weakref.WeakKeyDictionary()  # transformers model -> its net
 
 
@@ -792,6 +778,34 @@ def batch_generator(pipe: Pipeline, max_batch: int) -> BatchGenerator:
                           pipe.context_length)
 
 
+def build_pipeline(
+    target: str,
+    draft: str | None,
+    device: str = "auto",
+    dtype: str = "bf16",
+    num_draft_tokens: int | str = DEFAULT_K,
+    drafter: str = "model",
+    draft_quant: str = "auto",
+    backend: str = "hf",
+    draft_backend: str | None = "auto",
+    draft_vocab: int = 0,
+    draft_forward: str = "auto",
+    ctx_size: int | None = None,
+) -> Pipeline:
+    """`build` with its specs given as flat arguments (references only; draft None with the 'model' or 'hybrid'
+    drafter: plain decoding)."""
+    spec = TargetSpec(target, backend, device, dtype, ctx_size)
+    if drafter in DRAFTERS and not DRAFTERS[drafter].needs_model:
+        draft_spec = DraftSpec(drafter)
+    elif draft is None:
+        draft_spec = None
+    else:
+        draft_spec = DraftSpec(drafter, draft, draft_backend or "auto", draft_quant, draft_vocab, draft_forward,
+                               ctx_size)
+    return build(spec, draft_spec, num_draft_tokens)
+
+
+
 def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafter: str | None = "auto",
          k: int | str | None = None, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          draft_backend: str = "auto", draft_quant: str = "auto", draft_vocab: int = 0, draft_forward: str = "auto",
@@ -825,5 +839,5 @@ __all__ = [
     "ModelStore", "SpecError", "TargetSpec", "batch_generator", "batch_unsupported", "build", "check_specs",
     "choose_backend", "choose_draft_quant", "choose_dtype",
     "default_drafter", "default_k", "default_refs", "describe_machine", "load", "resolve", "resolve_backends",
-    "resolve_target_backend", "warm_up",
+    "resolve_target_backend", "warm_up", "build_pipeline",
 ]

@@ -1,4 +1,4 @@
-from verispec.backends.base import Model, common_prefix_length
+from verispec.backends.base import Model, SlotModel, TreeModel, common_prefix_length
 from verispec.backends.hf import HFModel
 
-__all__ = ["Model", "HFModel", "common_prefix_length"]
+__all__ = ["Model", "HFModel", "SlotModel", "TreeModel", "common_prefix_length"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec.names.models import ModelError
+from verispec.names.errors import ModelError
 
 EXACT_WIDTH = 16  # the widest pass the batch-invariant kernels cover: k + 1 tokens, so k <= 15
 ENV_EXACT = "VERISPEC_GGML_EXACT"  # the patch's process-wide switches, read when llama.cpp first computes

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from verispec.backends.linear import linear
+from verispec.names.drafters import QUANT_MODES
 
-QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 32  # input channels sharing one scale/offset (the kernel takes 32, 64, 128 or 256)
 PACKED_MAX_ROWS = 16  # larger batches use the bf16 weights (see above)
 

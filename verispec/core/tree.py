@@ -28,17 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.core.sampling import (
-    SamplingParams,
-    count_rows,
-    greedy_tokens,
-    presence_rows,
-    probs_from_logits,
-    process_logits,
-    sample,
-    token_counts,
-)
-from verispec.core.sequence import TokenSequence
+from verispec.core.sampling import sample
 
 ROOT = -1  # the parent index of the root's children
 
@@ -103,50 +93,6 @@ class TokenTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
-
-
-def tree_rows(logits: torch.Tensor, tree: TokenTree, params: SamplingParams, seq: TokenSequence,
-              log: bool = False) -> torch.Tensor:
-    """The target's processed rows for the root and every node ([m + 1, V] logits in): argmax ids [m + 1]
-    (greedy), probs [m + 1, V], or with `log` log-probabilities [m + 1, V] (greedy: of the penalised logits at
-    temperature 1). Row i + 1 sees node i's path for the penalties and its depth for min_tokens."""
-    vocab = logits.shape[-1]
-    paths = tree.paths()  # row 0, the root's, sees no node
-    presence = presence_rows(seq.presence(vocab), tree.tokens, paths) if params.penalised else None
-    counts = None
-    if params.counted:
-        counts = count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab), tree.tokens, paths)
-    position = len(seq.generated)
-    if not params.masks_stops(position):
-        return _process(logits, params, presence, counts, position, log)
-    depths = torch.tensor([0, *tree.depths], device=logits.device)  # min_tokens masks by depth: a group each
-    out = None
-    for d in range(tree.depth + 1):
-        rows = (depths == d).nonzero().squeeze(-1)
-        part = _process(logits[rows], params, _take(presence, rows), _take(counts, rows), position + d, log)
-        if out is None:
-            out = part.new_empty((logits.shape[0], *part.shape[1:]))
-        out[rows] = part
-    return out
-
-
-def _take(rows: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-    return None if rows is None else rows[index]
-
-
-def _process(logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None,
-             counts: torch.Tensor | None, position: int, log: bool) -> torch.Tensor:
-    """Rows that all sit at generated position `position` or later: min_tokens masks the stop ids in all of
-    them or in none (never by row order, as a chain's rows are)."""
-    if params.masks_stops(position):
-        logits = logits.float().clone()
-        logits[:, list(params.stop_ids)] = float("-inf")
-    position = max(position, params.min_tokens)
-    if log:
-        return process_logits(logits, params, presence, counts, position).log_softmax(dim=-1)
-    if params.greedy:
-        return greedy_tokens(process_logits(logits, params, presence, counts, position))
-    return probs_from_logits(logits, params, presence, counts, position)
 
 
 def verify_tree(rows: torch.Tensor, tree: TokenTree, greedy: bool,

@@ -17,6 +17,7 @@ import torch
 
 from verispec.core.sampling import sample
 
+
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     """min(1, p(x)/q(x)) elementwise, without dividing by zero (q(x) = 0: accept iff p(x) > 0). A
     non-finite q(x) (an fp16 draft that overflowed) is rejected outright: NaN compares False with

@@ -1,7 +1,7 @@
 """Batched speculative decoding: many sequences, each round's target pass shared by all of them.
 
-A `BatchGenerator` holds up to `max_batch` requests, one per slot of a `LeanBatch` target (one padded KV
-cache, a length per slot: see verispec.backends.lean for why that layout). A round is the single-sequence
+A `BatchGenerator` holds up to `max_batch` requests, one per slot of a `SlotModel` target (a LeanBatch: one
+padded KV cache, a length per slot: see verispec.backends.lean for why that layout). A round is the single-sequence
 round (verispec.decoding.engine) done for every active row at once:
 
   each row's k policy plans its k -> the drafter drafts every row (a draft model batches its steps over the
@@ -32,24 +32,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.backends.lean import LeanBatch
-from verispec.decoding.engine import (
-    Committed,
-    GenerationResult,
-    StopFn,
-    TokenLogprob,
-    commit,
-    cut_at_stop,
-    verify,
-)
-from verispec.decoding.policies.base import FixedK, RoundReport, RoundView
-from verispec.proposers.base import Draft
-from verispec.proposers.rows import RowDrafter, no_draft
+from verispec.backends.base import SlotModel
+from verispec.core.draft import Draft
+from verispec.core.rows import TokenLogprob, commit, verify
 from verispec.core.sampling import SamplingParams, make_generator
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import sync
+from verispec.decoding.engine import Committed, GenerationResult, StopFn, cut_at_stop
+from verispec.decoding.policies.base import FixedK, RoundReport, RoundView
+from verispec.names.k import BATCH_AUTO_K, DEFAULT_K
+from verispec.proposers.rows import RowDrafter, no_draft
 
-BATCH_AUTO_K = 4
 PREFILL_CHUNK = 512  # prompt tokens a round feeds at most, over all the rows still being prefilled
 
 
@@ -80,10 +73,10 @@ class BatchGenerator:
 
     def __init__(
         self,
-        target: LeanBatch,
+        target: SlotModel,
         drafter: RowDrafter | None,
         prepare: Callable,
-        num_draft_tokens: int | str = 4,
+        num_draft_tokens: int | str = DEFAULT_K,
         max_length: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
@@ -198,8 +191,10 @@ class BatchGenerator:
             if self.drafter is not None and plan.k > 0:
                 self.drafter.observe(row.slot, row.seq, drafted, accepted)
             end = time.perf_counter()
-            report = RoundReport(plan.k, draft.source if drafted else "", drafted, accepted, False, False,
-                                 draft.steps, t_draft - start, end - t_draft, 0.0, 0, end - start)
+            report = RoundReport(k=plan.k, source=draft.source if drafted else "", drafted=drafted, accepted=accepted,
+                                 first=False, own_draft=False, draft_steps=draft.steps, draft_seconds=t_draft - start,
+                                 verify_seconds=end - t_draft, catchup_seconds=0.0, catchup_tokens=0,
+                                 seconds=end - start)
             chunk = self._finish_round(row, committed, report)
             if chunk:
                 out.append((row, chunk))

@@ -27,34 +27,26 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from verispec.decoding.policies.cost_aware import CostAwareK
-from verispec.backends.base import Model, common_prefix_length
-from verispec.decoding.stats import SpecStats
-from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView
-from verispec.proposers.base import Draft, Proposer
-from verispec.proposers.tree_draft import TreeDraftModel
-from verispec.core.sampling import (
-    SamplingParams,
-    count_rows,
-    greedy_tokens,
-    make_generator,
-    presence_rows,
-    probs_from_logits,
-    process_logits,
-    token_counts,
-)
+from verispec.backends.base import Model, TreeModel, common_prefix_length
+from verispec.core.draft import Draft
+from verispec.core.rows import TokenLogprob, commit, token_logprobs, tree_rows, verify
+from verispec.core.sampling import SamplingParams, make_generator
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import Clock, sync
-from verispec.core.tree import TokenTree, tree_rows, verify_tree
-from verispec.decoding.policies.tree_budget import TreeBudget
-from verispec.core.verify import greedy_verify, rejection_sample
+from verispec.core.tree import TokenTree, verify_tree
+from verispec.decoding.policies.base import (
+    FixedK,
+    KPolicy,
+    Plan,
+    RoundReport,
+    RoundView,
+)
+from verispec.decoding.stats import SpecStats
+from verispec.names.k import DEFAULT_K, check_k
+from verispec.proposers.base import Proposer
 
 # stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
 StopFn = Callable[[list[int]], "int | None"]
-# per generated token: (its logprob, [(id, logprob) of the most likely tokens]) under the target's processed
-# distribution; -inf (a token the filters removed) is reported as LOGPROB_FLOOR, JSON having no infinity
-TokenLogprob = tuple[float, list[tuple[int, float]]]
-LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -95,37 +87,33 @@ class Generation:
         self._rounds.close()  # type: ignore[attr-defined]
 
 
-def _check_k(k: int | str) -> int | str:
-    """A fixed number of draft tokens per round (>= 0), or "auto" (cost-aware adaptive k)."""
-    if k == "auto":
-        return k
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {k!r}")
-    return k
-
-
 class SpeculativeGenerator:
+    """One sequence's speculative decoding. `target` must be a TreeModel for a tree drafter; `auto_policy` is the
+    k policy of k = 'auto' (it learns across generations; the engine knows no concrete policy: verispec.assembly
+    picks one per drafter), needed only where 'auto' is asked for."""
+
     def __init__(
         self,
-        target: Model,
+        target: Model | TreeModel,
         proposer: Proposer | None = None,
         eos_token_ids: Iterable[int] = (),
-        num_draft_tokens: int | str = 4,
-        k_max: int = 8,
+        num_draft_tokens: int | str = DEFAULT_K,
         auto_policy: KPolicy | None = None,
     ) -> None:
         self.target = target
         self.proposer = proposer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.num_draft_tokens = _check_k(num_draft_tokens)
-        # the policy of k = "auto" (default: a tree drafter's budget policy, else cost-aware k); learns across
-        # generations
-        if auto_policy is None:
-            auto_policy = TreeBudget() if isinstance(proposer, TreeDraftModel) else CostAwareK(k_max=k_max)
+        self.num_draft_tokens = check_k(num_draft_tokens)
         self.k_policy = auto_policy
+        if num_draft_tokens == "auto":
+            self._check_auto()
         self.device = target.device
         self._clock = Clock(self.device)  # times the round's stages on the device's timeline
         self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
+
+    def _check_auto(self) -> None:
+        if self.k_policy is None:
+            raise ValueError("k = 'auto' needs a k policy (auto_policy)")
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -157,9 +145,7 @@ class SpeculativeGenerator:
             return plan.draft
         if plan.k == 0:
             return Draft(seq.device_ids.new_empty(0), None, "")
-        if plan.depth is not None:
-            return self.proposer.propose(seq, plan.k, plan.depth)
-        return self.proposer.propose(seq, plan.k)
+        return self.proposer.propose(seq, plan.k, plan.depth)
 
     def _score_tree(self, seq: TokenSequence, tree: TokenTree, head: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """The target's logits [m + 1, V] for the root and each tree node, in ONE tree-masked forward pass
@@ -190,7 +176,7 @@ class SpeculativeGenerator:
         committed = [tokens[node] for node in path] + [token]
         if logprobs is not None:
             logp = tree_rows(logits, tree, params, seq, log=True)[rows]
-            logprobs.extend(_token_logprobs(logp, committed, top_logprobs))
+            logprobs.extend(token_logprobs(logp, committed, top_logprobs))
         self.target.keep(base, rows if head is None else path)  # the first round's cache has no root row
         seq.extend(committed, torch.tensor(committed, device=seq.device_ids.device))
         return committed, path
@@ -222,9 +208,10 @@ class SpeculativeGenerator:
         if plan.draft is None and plan.k > 0:
             self.proposer.observe(seq, drafted, accepted)  # the draft rolls back its own cache
         return committed, RoundReport(
-            plan.k, draft.source if drafted else "", drafted, accepted, head is not None, plan.draft is not None,
-            draft.steps, clock.seconds(t1, t2), clock.seconds(t2, t3), clock.seconds(t0, t1), caught_up,
-            time.perf_counter() - start, draft.tree, tuple(path))
+            k=plan.k, source=draft.source if drafted else "", drafted=drafted, accepted=accepted, first=head is not None,
+            own_draft=plan.draft is not None, draft_steps=draft.steps, draft_seconds=clock.seconds(t1, t2),
+            verify_seconds=clock.seconds(t2, t3), catchup_seconds=clock.seconds(t0, t1), catchup_tokens=caught_up,
+            seconds=time.perf_counter() - start, tree=draft.tree, path=tuple(path))
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -325,7 +312,9 @@ class SpeculativeGenerator:
             raise ValueError(f"a prompt token id is out of range for the vocabulary of {self.target.vocab_size}")
         if logprobs is not None and logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {logprobs}")
-        k = self.num_draft_tokens if num_draft_tokens is None else _check_k(num_draft_tokens)
+        k = self.num_draft_tokens if num_draft_tokens is None else check_k(num_draft_tokens)
+        if k == "auto":
+            self._check_auto()
         result = GenerationResult(token_ids=[], finish_reason="length")
         result.stats.prompt_tokens = len(prompt_ids)
         stop_ids = frozenset(int(t) for t in stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
@@ -381,79 +370,3 @@ def cut_at_stop(
         return committed, None
     seq.truncate(seq.prompt_length + keep)
     return committed[: max(0, keep - start)], keep
-
-
-def target_rows(
-    logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
-) -> torch.Tensor:
-    """Processed target rows [k+1, V]: argmax ids (greedy) or probs p."""
-    presence = None
-    if params.penalised:
-        presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
-    counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), len(seq.generated)
-    if params.greedy:
-        return greedy_tokens(process_logits(logits, params, presence, counts, position))  # [k+1]
-    return probs_from_logits(logits, params, presence, counts, position)  # [k+1, V]
-
-
-def logprob_rows(
-    logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
-) -> torch.Tensor:
-    """[k+1, V] log-probabilities of the target's processed distribution (greedy: of its penalised logits,
-    at temperature 1, since the one-hot would say nothing)."""
-    presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens) if params.penalised else None
-    counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
-    return process_logits(logits, params, presence, counts, len(seq.generated)).log_softmax(dim=-1)
-
-
-def verify(
-    seq: TokenSequence, draft: Draft, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's verification of its draft against the target's logits [k+1, V] for the positions after
-    seq and after each draft: (accepted count [1], the recovered or bonus token [1]), on the device."""
-    rows = target_rows(logits, draft.tokens, params, seq)
-    if params.greedy:
-        return greedy_verify(draft.tokens[None], rows[None])
-    return rejection_sample(draft.tokens[None], None if draft.probs is None else draft.probs[None], rows[None], gen)
-
-
-def commit(
-    seq: TokenSequence, draft: Draft, n: torch.Tensor, nxt: torch.Tensor, logits: torch.Tensor,
-    params: SamplingParams, logprobs: list[TokenLogprob] | None, top_logprobs: int,
-) -> tuple[list[int], int]:
-    """Append the accepted drafts and the target's token to seq (the round's one device -> host sync); with
-    `logprobs`, append each committed token's TokenLogprob. Returns (committed ids, accepted count)."""
-    host = torch.cat([n, nxt, draft.tokens]).tolist()
-    accepted = host[0]
-    committed = host[2 : 2 + accepted] + [host[1]]
-    if logprobs is not None:
-        logp = logprob_rows(logits, draft.tokens, params, seq)
-        logprobs.extend(_token_logprobs(logp[: accepted + 1], committed, top_logprobs))
-    seq.extend(committed, torch.cat([draft.tokens[:accepted], nxt]))
-    return committed, accepted
-
-
-def _row_counts(
-    seq: TokenSequence, draft_tokens: torch.Tensor, params: SamplingParams, vocab_size: int
-) -> torch.Tensor | None:
-    """[k+1, V] generated-token counts per verify row (row i: the committed generation plus drafts[:i]),
-    or None when no presence/frequency penalty needs them."""
-    if not params.counted:
-        return None
-    return count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab_size), draft_tokens)
-
-
-def _token_logprobs(logp: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """TokenLogprob for each row of logp [n, V] and its chosen token."""
-    rows = torch.arange(len(tokens), device=logp.device)
-    chosen = logp[rows, torch.tensor(tokens, device=logp.device)].tolist()
-    best = torch.topk(logp, min(top, logp.shape[-1]), dim=-1) if top else None
-    entries = []
-    for i, value in enumerate(chosen):
-        alts = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
-        entries.append((_finite(value), [(a, _finite(v)) for a, v in alts]))
-    return entries
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR

@@ -27,9 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class ModelError(RuntimeError):
-    """A one-line, user-facing error about models or the cache."""
+from verispec.names.errors import ModelError
 
 
 @dataclass(frozen=True)

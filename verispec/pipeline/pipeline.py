@@ -7,21 +7,22 @@ feed a transformers streamer when given one. Pipelines are made by verispec.asse
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from verispec.backends.base import Model
+from verispec.core.sampling import SamplingParams
 from verispec.decoding.engine import Generation, SpeculativeGenerator
 from verispec.decoding.stats import SpecStats
+from verispec.names.errors import SpecError
 from verispec.pipeline.provenance import Piece, ProvenanceText
-from verispec.core.sampling import SamplingParams
 from verispec.pipeline.text import encode_messages
 
 if TYPE_CHECKING:
-    from verispec.assembly.build import DraftSpec, TargetSpec
+    from verispec.decoding.batch import BatchGenerator
 
 DEFAULT_MAX_NEW_TOKENS = 256
 # prompt: text, chat messages ({"role", "content"} dicts), token ids, or a [n] / [1, n] tensor of them
@@ -126,6 +127,27 @@ def sampling_settings(generation_config=None, **explicit: Any) -> tuple[Sampling
     return SamplingParams(**settings), DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
 
 
+class TargetView(Protocol):
+    """What a pipeline reads of the target spec it was built from (verispec.assembly's TargetSpec)."""
+
+    backend: str
+    dtype: str | None
+
+    @property
+    def label(self) -> str: ...
+
+
+class DraftView(Protocol):
+    """What a pipeline reads of the draft spec it was built from (verispec.assembly's DraftSpec)."""
+
+    drafter: str
+    backend: str
+    quant: str
+
+    @property
+    def label(self) -> str | None: ...
+
+
 @dataclass(frozen=True, eq=False)
 class Pipeline:
     """A target, its drafter and k, ready to generate. `generator` is the engine (token ids in and out);
@@ -133,18 +155,21 @@ class Pipeline:
     `draft_model` the draft LM, if any; `draft_forward` how a transformers draft runs (lean, transformers;
     none otherwise); `load_seconds` what loading took, per part; `reason` why the target runs on its backend
     (and, where they were defaults, where the drafter and k came from), one line; `kernels` which llama.cpp
-    kernels verify and why, one line (None: no model runs on llama.cpp)."""
+    kernels verify and why, one line (None: no model runs on llama.cpp); `batch_reason` why the pipeline cannot
+    decode a batch (None: it can, with `make_batch(max_batch)`)."""
 
     generator: SpeculativeGenerator
     tokenizer: Any
-    target: TargetSpec
-    draft: DraftSpec | None
+    target: TargetView
+    draft: DraftView | None
     device: torch.device
     draft_model: Model | None = None
     draft_forward: str = "none"
     load_seconds: Mapping[str, float] = field(default_factory=dict)
     reason: str = ""
     kernels: str | None = None
+    batch_reason: str | None = "batched decoding needs a pipeline made by verispec.assembly.build"
+    make_batch: Callable[[int], BatchGenerator] | None = None
 
     # -- what was built ---------------------------------------------------------------------------
 
@@ -266,15 +291,14 @@ class Pipeline:
 
     def can_batch(self) -> str | None:
         """Why this pipeline cannot decode a batch, or None when it can."""
-        from verispec.assembly.build import batch_unsupported
+        return self.batch_reason
 
-        return batch_unsupported(self)
-
-    def batch(self, max_batch: int):
-        """A verispec.decoding.batch.BatchGenerator of `max_batch` slots over this pipeline's models."""
-        from verispec.assembly.build import batch_generator
-
-        return batch_generator(self, max_batch)
+    def batch(self, max_batch: int) -> BatchGenerator:
+        """A verispec.decoding.batch.BatchGenerator of `max_batch` slots over this pipeline's models (the same
+        weights, caches of its own); SpecError (runtime) when the pipeline cannot batch."""
+        if self.make_batch is None:
+            raise SpecError(self.batch_reason or "this pipeline cannot batch", "max_batch", runtime=True)
+        return self.make_batch(max_batch)
 
     def generate_batch(self, prompts: Sequence[Prompt], *, max_batch: int = 8, stop: Sequence[str] | str = (),
                        k: int | str | None = None, generation_config=None, **settings: Any) -> list[Completion]:
@@ -312,33 +336,4 @@ class Pipeline:
         return out
 
 
-def build_pipeline(
-    target: str,
-    draft: str | None,
-    device: str = "auto",
-    dtype: str = "bf16",
-    num_draft_tokens: int | str = 4,
-    drafter: str = "model",
-    draft_quant: str = "auto",
-    backend: str = "hf",
-    draft_backend: str | None = "auto",
-    draft_vocab: int = 0,
-    draft_forward: str = "auto",
-    ctx_size: int | None = None,
-) -> Pipeline:
-    """verispec.assembly.build.build with its specs given as flat arguments (references only; draft None with the
-    'model' or 'hybrid' drafter: plain decoding)."""
-    from verispec.assembly.build import DRAFTERS, DraftSpec, TargetSpec, build
-
-    spec = TargetSpec(target, backend, device, dtype, ctx_size)
-    if drafter in DRAFTERS and not DRAFTERS[drafter].needs_model:
-        draft_spec = DraftSpec(drafter)
-    elif draft is None:
-        draft_spec = None
-    else:
-        draft_spec = DraftSpec(drafter, draft, draft_backend or "auto", draft_quant, draft_vocab, draft_forward,
-                               ctx_size)
-    return build(spec, draft_spec, num_draft_tokens)
-
-
-__all__ = ["Completion", "Piece", "Pipeline", "Prompt", "TextStream", "build_pipeline", "sampling_settings"]
+__all__ = ["Completion", "DraftView", "Piece", "Pipeline", "Prompt", "TargetView", "TextStream", "sampling_settings"]

@@ -1,4 +1,5 @@
-from verispec.proposers.base import Draft, Proposer
+from verispec.core.draft import Draft
+from verispec.proposers.base import Proposer
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer

@@ -4,32 +4,18 @@ A round asks the proposer where its next draft would come from (`source`, so tha
 each source apart), how many committed tokens it must first catch up on (`pending`), feeds them in a
 call the engine times (`catch_up`), then takes the draft (`propose`) and reports what was accepted
 (`observe`). Free drafters (n-gram, suffix lookup) have nothing to catch up on: `pending` is 0 and
-`catch_up` feeds nothing.
+`catch_up` feeds nothing. A Draft (verispec.core.draft) is what verification takes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
-
-if TYPE_CHECKING:
-    from verispec.core.tree import TokenTree
-
-
-@dataclass
-class Draft:
-    """Proposed tokens and the distribution they were drawn from."""
-
-    tokens: torch.Tensor  # [k] long, on the target's device
-    probs: torch.Tensor | None  # [k, V] q, or None: deterministic (q one-hot on tokens)
-    source: str = "model"  # which source drafted it (a k policy learns per source)
-    steps: int = 0  # draft-model forwards spent on it (0: a free drafter)
-    tree: "TokenTree | None" = None  # the tokens' tree (parents, depths); None: a chain, tokens[i] after tokens[i-1]
 
 
 class Proposer(Protocol):
@@ -46,8 +32,10 @@ class Proposer(Protocol):
         """Feed up to `limit` (None: all) of the committed tokens the next draft would otherwise feed in
         its catch-up pass; returns how many were fed. The engine times this call."""
 
-    def propose(self, seq: TokenSequence, k: int) -> Draft:
-        """At most k draft tokens continuing `seq` (fewer, or none, when the source has no more)."""
+    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
+        """At most k draft tokens continuing `seq` (fewer, or none, when the source has no more). A tree
+        drafter reads k as its node budget and `depth` as the most draft forwards it may spend (None: its
+        own maximum); a chain drafter's depth is its k, and it ignores `depth`."""
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of `drafted` tokens were committed to `seq`."""

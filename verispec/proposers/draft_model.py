@@ -7,7 +7,7 @@ import math
 import torch
 
 from verispec.backends.base import Model, common_prefix_length
-from verispec.proposers.base import Draft
+from verispec.core.draft import Draft
 from verispec.core.sampling import (
     SamplingParams,
     count_rows,
@@ -103,7 +103,7 @@ class DraftModelProposer:
         self._held_seq, self._held_len = seq, self.model.length
         return n
 
-    def propose(self, seq: TokenSequence, k: int) -> Draft:
+    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
         params = self.params
         if self.pending(seq):  # a prompt, or rounds decoded without this draft: one batched catch-up pass
             self.catch_up(seq)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from verispec.proposers.base import Draft
+from verispec.core.draft import Draft
+from verispec.core.sampling import SamplingParams
+from verispec.core.sequence import TokenSequence
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.proposers.suffix import SuffixProposer
-from verispec.core.sampling import SamplingParams
-from verispec.core.sequence import TokenSequence
-
 
 Lookup = NgramProposer | SuffixProposer
 CONFIDENT = frozenset({"ngram", "suffix"})  # the lookup drafters' sources for a long (confident) match
@@ -41,7 +40,7 @@ class HybridProposer:
         self.lookup.start(seq, params, generator)
         self.model.start(seq, params, generator)
 
-    def propose(self, seq: TokenSequence, k: int) -> Draft:
+    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
         if self.source(seq) != "model":
             draft = self.lookup.propose(seq, k)
             if draft.tokens.numel() > 0:

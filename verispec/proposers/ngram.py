@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.proposers.base import Draft
+from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 
@@ -75,7 +75,7 @@ class NgramProposer:
     def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
         return 0
 
-    def propose(self, seq: TokenSequence, k: int) -> Draft:
+    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
         source = self.source(seq)
         at, self.last_match = self.match(seq)
         tokens = seq.ids[at : at + k] if self.last_match else []

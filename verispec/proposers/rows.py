@@ -15,12 +15,13 @@ from typing import Protocol
 
 import torch
 
-from verispec.backends.lean import LeanBatch
-from verispec.proposers.base import Draft, Proposer
-from verispec.proposers.draft_model import after_token, align_vocab, draft_token
+from verispec.backends.base import SlotModel
 from verispec.backends.quant import PACKED_MAX_ROWS
+from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams, token_counts
 from verispec.core.sequence import TokenSequence
+from verispec.proposers.base import Proposer
+from verispec.proposers.draft_model import after_token, align_vocab, draft_token
 
 # a round's request of a row: (slot, its committed sequence, k)
 RowRequest = tuple[int, TokenSequence, int]
@@ -54,11 +55,11 @@ class RowDrafter(Protocol):
 
 
 class BatchDraftModel:
-    """A draft LM over a LeanBatch, its steps batched over the round's rows. Per slot, the cache holds a
+    """A draft LM over a SlotModel (a LeanBatch), its steps batched over the round's rows. Per slot, the cache holds a
     prefix of the committed sequence (plus, mid-round, its own drafts); after verification it is rolled
     back to what was committed."""
 
-    def __init__(self, model: LeanBatch, vocab_size: int) -> None:
+    def __init__(self, model: SlotModel, vocab_size: int) -> None:
         self.model = model
         self.vocab_size = vocab_size  # the target's
         self._settings: dict[int, tuple[SamplingParams, torch.Generator]] = {}

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 import torch
 
-from verispec.proposers.base import Draft
+from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 
@@ -333,7 +333,7 @@ class SuffixProposer:
     def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
         return 0
 
-    def propose(self, seq: TokenSequence, k: int) -> Draft:
+    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
         """The longest match that leaves room in max_depth for k tokens (any shorter suffix of a match is a
         match too), then the walk from it."""
         source = self.source(seq)

@@ -19,25 +19,26 @@ from dataclasses import replace
 
 import torch
 
-from verispec.backends.base import Model
-from verispec.decoding.policies.base import TREE_SOURCE
-from verispec.proposers.base import Draft
-from verispec.proposers.draft_model import DraftModelProposer, align_vocab
+from verispec.backends.base import TreeModel
+from verispec.core.draft import Draft
 from verispec.core.sampling import probs_from_logits
 from verispec.core.sequence import TokenSequence
 from verispec.core.tree import ROOT, TokenTree
+from verispec.names.drafters import Source
+from verispec.proposers.draft_model import DraftModelProposer, align_vocab
 
 TREE_WIDTH = 4  # frontier nodes per depth, and candidates per frontier node
 TREE_DEPTH = 6  # draft forwards per tree (its deepest node), unless the k policy says otherwise
 
 
 class TreeDraftModel(DraftModelProposer):
-    """Drafts token trees with `model` (which must verify trees: forward_tree and keep, e.g. a LeanModel).
+    """Drafts token trees with `model` (a TreeModel, e.g. a LeanModel).
     `k` (propose's budget) is the number of tree nodes; `depth` the most draft forwards (at most max_depth and k)."""
 
-    def __init__(self, model: Model, vocab_size: int, width: int = TREE_WIDTH, max_depth: int = TREE_DEPTH) -> None:
+    def __init__(self, model: TreeModel, vocab_size: int, width: int = TREE_WIDTH,
+                 max_depth: int = TREE_DEPTH) -> None:
         super().__init__(model, vocab_size)
-        if not hasattr(model, "forward_tree"):
+        if not isinstance(model, TreeModel):
             raise ValueError("token trees need a draft that verifies trees (the lean path)")
         if width < 1 or max_depth < 1:
             raise ValueError(f"width and max_depth must be >= 1, got {width} and {max_depth}")
@@ -46,7 +47,7 @@ class TreeDraftModel(DraftModelProposer):
         self._rows: dict[int, int] = {}  # tree node -> its row in the draft's cache after _base (nodes it fed)
 
     def source(self, seq: TokenSequence) -> str:
-        return TREE_SOURCE
+        return Source.TREE
 
     def _ranking(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's probabilities that rank candidates, [n, V]."""
@@ -58,7 +59,7 @@ class TreeDraftModel(DraftModelProposer):
 
     def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
         self._tree, self._rows = None, {}
-        empty = Draft(seq.device_ids.new_empty(0), None, TREE_SOURCE)
+        empty = Draft(seq.device_ids.new_empty(0), None, Source.TREE)
         depth = min(self.max_depth, k, self.max_depth if depth is None else depth)
         if depth < 1:
             return empty
@@ -113,7 +114,7 @@ class TreeDraftModel(DraftModelProposer):
         tree = TokenTree(torch.tensor([tokens[i] for i in keep], device=seq.device_ids.device),
                          [ROOT if parents[i] == ROOT else index[parents[i]] for i in keep], [scores[i] for i in keep])
         self._tree = tree
-        return Draft(tree.tokens, None, TREE_SOURCE, steps, tree)
+        return Draft(tree.tokens, None, Source.TREE, steps, tree)
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         """Keep in the draft's cache the accepted nodes it fed (in place after _base); it catches up on the

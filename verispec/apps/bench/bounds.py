@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.backends.base import common_prefix_length
-from verispec.decoding.policies.base import KPolicy, RoundReport, RoundView
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
+from verispec.decoding.policies.base import KPolicy, RoundReport, RoundView
 
 # at generated position i: (source, [(tokens drafted, tokens accepted) of a draft asked for k tokens, k = 1 ..
 # k_max]); a free drafter may draft fewer tokens than asked, or none (source 'none')
@@ -228,8 +228,10 @@ def policy_seconds(text: Text, drafter: str, policy: KPolicy, costs: Costs) -> f
         fed = drafted + (i > 0)
         seconds = costs.round(i, drafter, drafted)
         label = plan.draft.source if plan.draft is not None else source
-        policy.observe(RoundReport(plan.k, label if drafted else "", drafted, accepted, i == 0, plan.draft is not None,
-                                   0, 0.0, costs.verify[fed] if fed else 0.0, 0.0, 0, seconds))
+        policy.observe(RoundReport(k=plan.k, source=label if drafted else "", drafted=drafted, accepted=accepted,
+                                   first=i == 0, own_draft=plan.draft is not None, draft_steps=0, draft_seconds=0.0,
+                                   verify_seconds=costs.verify[fed] if fed else 0.0, catchup_seconds=0.0,
+                                   catchup_tokens=0, seconds=seconds))
         committed = out[i : i + accepted + 1]
         seq.extend(committed, torch.tensor(committed))
         total += seconds

@@ -9,12 +9,22 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from verispec.backends import HFModel
 from verispec.apps.bench.loader import Prompt, answer_history
-from verispec.assembly.build import BACKENDS, DRAFTERS, DRAFT_FORWARDS, DraftSpec, ModelStore, SpecError, TargetSpec, build, resolve
-from verispec.pipeline.pipeline import Pipeline
+from verispec.assembly.build import (
+    BACKENDS,
+    DRAFT_FORWARDS,
+    DRAFTERS,
+    DraftSpec,
+    ModelStore,
+    SpecError,
+    TargetSpec,
+    build,
+    resolve,
+)
+from verispec.backends import HFModel
 from verispec.backends.quant import QUANT_MODES
 from verispec.core.sampling import SamplingParams
+from verispec.pipeline.pipeline import Pipeline
 from verispec.pipeline.text import encode_messages, encode_prompt
 
 KINDS = ("plain", "spec", "hf", "hf-lookup", "llama", "llama-lookup")
@@ -121,7 +131,11 @@ class Bench:
     def llama(self, lookup: bool):
         """llama-cpp-python's own Llama on the target's GGUF: the target's when it runs on llama.cpp (plain
         decoding), else one opened for the benchmark."""
-        from verispec.backends.llamacpp import LlamaCppModel, import_llama_cpp, open_llama
+        from verispec.backends.llamacpp import (
+            LlamaCppModel,
+            import_llama_cpp,
+            open_llama,
+        )
         from verispec.backends.loading import resolve_gguf
 
         target = self.baseline.generator.target

@@ -39,10 +39,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from verispec.decoding.engine import GenerationResult
-from verispec.pipeline.pipeline import Pipeline
-from verispec.pipeline.provenance import Piece
-from verispec.core.sampling import SamplingParams
 from verispec.apps.server.guard import Guard, GuardSettings
 from verispec.apps.server.metrics import Metrics
 from verispec.apps.server.protocol import (
@@ -53,6 +49,10 @@ from verispec.apps.server.protocol import (
     unsupported_field,
 )
 from verispec.apps.server.worker import Job, QueueFull, ShuttingDown, Worker
+from verispec.core.sampling import SamplingParams
+from verispec.decoding.engine import GenerationResult
+from verispec.pipeline.pipeline import Pipeline
+from verispec.pipeline.provenance import Piece
 from verispec.pipeline.text import encode_messages
 
 RETRY_AFTER_SECONDS = 1

@@ -20,11 +20,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from verispec.core.sampling import SamplingParams
 from verispec.decoding.engine import GenerationResult
 from verispec.pipeline.pipeline import Pipeline
-from verispec.core.sampling import SamplingParams
 from verispec.pipeline.provenance import ProvenanceText
-
 
 EMPTY = object()  # JobQueue.get(block=False) with nothing waiting
 

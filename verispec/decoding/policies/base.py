@@ -16,12 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from verispec.proposers.base import Draft
-from verispec.core.tree import TokenTree
+from verispec.core.draft import Draft
 from verispec.core.sequence import TokenSequence
-
-
-TREE_SOURCE = "tree"  # the source of token trees: a plan's k is their node budget, its depth their draft forwards
+from verispec.core.tree import TokenTree
+from verispec.names.drafters import Source
 
 
 @dataclass(frozen=True)
@@ -47,9 +45,9 @@ class Plan:
     depth: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundReport:
-    """What one round did and cost."""
+    """What one round did and cost (fields by name: a dozen numbers in a row are easily swapped)."""
 
     k: int  # drafts planned
     source: str  # where the verified draft came from ('' when none was verified)
@@ -100,7 +98,7 @@ class FixedK:
         pass
 
     def choose(self, view: RoundView) -> Plan:
-        if view.source == TREE_SOURCE:  # k tree nodes; the limit caps the depth
+        if view.source == Source.TREE:  # k tree nodes; the limit caps the depth
             return Plan(self.k if view.limit else 0, depth=view.limit)
         return Plan(min(self.k, view.limit))
 

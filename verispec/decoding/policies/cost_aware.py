@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.core.draft import Draft
 from verispec.decoding.policies.base import Plan, RoundReport, RoundView
-from verispec.proposers.base import Draft
+from verispec.names.k import K_MAX
 from verispec.proposers.ngram import lookup_guess
 
 
@@ -168,7 +169,7 @@ class AcceptanceEstimate:
     towards the one before it, so that deeper drafts get tried again.
     """
 
-    k_max: int = 8
+    k_max: int = K_MAX
     decay: float = 0.85  # weight of the past in the running means
     prior: float = 0.6  # every position's estimate before any observation
     explore: float = 0.05  # per round, how far an unobserved position's estimate moves towards the one before
@@ -378,7 +379,7 @@ class CostAwareK:
     then does the draft model catch up, and only when it pays.
     """
 
-    def __init__(self, k_max: int = 8) -> None:
+    def __init__(self, k_max: int = K_MAX) -> None:
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         self.k_max = k_max

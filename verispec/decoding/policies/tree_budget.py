@@ -24,10 +24,10 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from verispec.decoding.policies.cost_aware import ema
-from verispec.decoding.policies.base import Plan, RoundReport, RoundView
-from verispec.proposers.tree_draft import TREE_DEPTH
 from verispec.core.tree import TokenTree
+from verispec.decoding.policies.base import Plan, RoundReport, RoundView
+from verispec.decoding.policies.cost_aware import ema
+from verispec.proposers.tree_draft import TREE_DEPTH
 
 TREE_MAX_NODES = 32  # the largest node budget an auto tree tries
 

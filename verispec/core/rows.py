@@ -1,0 +1,152 @@
+"""The rows that feed verification, in one place: the target's processed rows for a chain's positions (argmax ids
+or probabilities, every sampling option and penalty applied row by row, each row seeing the drafts before it), the
+rejection sampler over them, the commit of a round's tokens (the round's one device -> host transfer), and the
+log-probabilities reported for committed tokens; and a token tree's rows, each node's row seeing its own path."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verispec.core.draft import Draft
+from verispec.core.sampling import (
+    SamplingParams,
+    count_rows,
+    greedy_tokens,
+    presence_rows,
+    probs_from_logits,
+    process_logits,
+    token_counts,
+)
+from verispec.core.sequence import TokenSequence
+from verispec.core.tree import TokenTree
+from verispec.core.verify import greedy_verify, rejection_sample
+
+# per generated token: (its logprob, [(id, logprob) of the most likely tokens]) under the target's processed
+# distribution; -inf (a token the filters removed) is reported as LOGPROB_FLOOR, JSON having no infinity
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+LOGPROB_FLOOR = -9999.0
+
+
+def target_rows(
+    logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
+) -> torch.Tensor:
+    """Processed target rows [k+1, V]: argmax ids (greedy) or probs p."""
+    presence = None
+    if params.penalised:
+        presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
+    counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), len(seq.generated)
+    if params.greedy:
+        return greedy_tokens(process_logits(logits, params, presence, counts, position))  # [k+1]
+    return probs_from_logits(logits, params, presence, counts, position)  # [k+1, V]
+
+
+def logprob_rows(
+    logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
+) -> torch.Tensor:
+    """[k+1, V] log-probabilities of the target's processed distribution (greedy: of its penalised logits,
+    at temperature 1, since the one-hot would say nothing)."""
+    presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens) if params.penalised else None
+    counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
+    return process_logits(logits, params, presence, counts, len(seq.generated)).log_softmax(dim=-1)
+
+
+def verify(
+    seq: TokenSequence, draft: Draft, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's verification of its draft against the target's logits [k+1, V] for the positions after
+    seq and after each draft: (accepted count [1], the recovered or bonus token [1]), on the device."""
+    rows = target_rows(logits, draft.tokens, params, seq)
+    if params.greedy:
+        return greedy_verify(draft.tokens[None], rows[None])
+    return rejection_sample(draft.tokens[None], None if draft.probs is None else draft.probs[None], rows[None], gen)
+
+
+def commit(
+    seq: TokenSequence, draft: Draft, n: torch.Tensor, nxt: torch.Tensor, logits: torch.Tensor,
+    params: SamplingParams, logprobs: list[TokenLogprob] | None, top_logprobs: int,
+) -> tuple[list[int], int]:
+    """Append the accepted drafts and the target's token to seq (the round's one device -> host sync); with
+    `logprobs`, append each committed token's TokenLogprob. Returns (committed ids, accepted count)."""
+    host = torch.cat([n, nxt, draft.tokens]).tolist()
+    accepted = host[0]
+    committed = host[2 : 2 + accepted] + [host[1]]
+    if logprobs is not None:
+        logp = logprob_rows(logits, draft.tokens, params, seq)
+        logprobs.extend(token_logprobs(logp[: accepted + 1], committed, top_logprobs))
+    seq.extend(committed, torch.cat([draft.tokens[:accepted], nxt]))
+    return committed, accepted
+
+
+def _row_counts(
+    seq: TokenSequence, draft_tokens: torch.Tensor, params: SamplingParams, vocab_size: int
+) -> torch.Tensor | None:
+    """[k+1, V] generated-token counts per verify row (row i: the committed generation plus drafts[:i]),
+    or None when no presence/frequency penalty needs them."""
+    if not params.counted:
+        return None
+    return count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab_size), draft_tokens)
+
+
+def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """TokenLogprob for each row of logp [n, V] and its chosen token."""
+    rows = torch.arange(len(tokens), device=logp.device)
+    chosen = logp[rows, torch.tensor(tokens, device=logp.device)].tolist()
+    best = torch.topk(logp, min(top, logp.shape[-1]), dim=-1) if top else None
+    entries = []
+    for i, value in enumerate(chosen):
+        alts = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
+        entries.append((_finite(value), [(a, _finite(v)) for a, v in alts]))
+    return entries
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+# -- a token tree's rows ------------------------------------------------------------------------------
+
+
+def tree_rows(logits: torch.Tensor, tree: TokenTree, params: SamplingParams, seq: TokenSequence,
+              log: bool = False) -> torch.Tensor:
+    """The target's processed rows for the root and every node ([m + 1, V] logits in): argmax ids [m + 1]
+    (greedy), probs [m + 1, V], or with `log` log-probabilities [m + 1, V] (greedy: of the penalised logits at
+    temperature 1). Row i + 1 sees node i's path for the penalties and its depth for min_tokens."""
+    vocab = logits.shape[-1]
+    paths = tree.paths()  # row 0, the root's, sees no node
+    presence = presence_rows(seq.presence(vocab), tree.tokens, paths) if params.penalised else None
+    counts = None
+    if params.counted:
+        counts = count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab), tree.tokens, paths)
+    position = len(seq.generated)
+    if not params.masks_stops(position):
+        return _process(logits, params, presence, counts, position, log)
+    depths = torch.tensor([0, *tree.depths], device=logits.device)  # min_tokens masks by depth: a group each
+    out = None
+    for d in range(tree.depth + 1):
+        rows = (depths == d).nonzero().squeeze(-1)
+        part = _process(logits[rows], params, _take(presence, rows), _take(counts, rows), position + d, log)
+        if out is None:
+            out = part.new_empty((logits.shape[0], *part.shape[1:]))
+        out[rows] = part
+    return out
+
+
+def _take(rows: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if rows is None else rows[index]
+
+
+def _process(logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None,
+             counts: torch.Tensor | None, position: int, log: bool) -> torch.Tensor:
+    """Rows that all sit at generated position `position` or later: min_tokens masks the stop ids in all of
+    them or in none (never by row order, as a chain's rows are)."""
+    if params.masks_stops(position):
+        logits = logits.float().clone()
+        logits[:, list(params.stop_ids)] = float("-inf")
+    position = max(position, params.min_tokens)
+    if log:
+        return process_logits(logits, params, presence, counts, position).log_softmax(dim=-1)
+    if params.greedy:
+        return greedy_tokens(process_logits(logits, params, presence, counts, position))
+    return probs_from_logits(logits, params, presence, counts, position)

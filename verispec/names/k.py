@@ -1,0 +1,53 @@
+"""k, the number of draft tokens per round: its defaults, in one place, and its check.
+
+k is an integer >= 0 (0: plain decoding) or 'auto' (a cost-aware policy picks it each round, 0..K_MAX). Without a
+k the backend's default drafter gets DEFAULTS' k; any other drafter gets default_k: 'auto' where llama.cpp runs
+(its passes' cost grows with their width, so a fixed k can lose to plain decoding), else DEFAULT_K."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verispec.names.drafters import FREE_DRAFTERS
+
+DEFAULT_K = 4  # a fixed k where none is asked for (transformers)
+K_MAX = 8  # the largest k the cost-aware policy drafts
+BATCH_AUTO_K = DEFAULT_K  # k = 'auto' in a batch: the cost-aware policy prices a lone sequence's pass, not a batch's
+
+
+def check_k(k: int | str) -> int | str:
+    """k as given, or a ValueError: an integer >= 0 or 'auto'."""
+    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
+    return k
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The drafter and k a target backend gets when the user names neither."""
+
+    drafter: str
+    k: int | str
+
+
+# per target backend; a drafter that takes no draft model (ngram, suffix) loads none, which shortens the load
+DEFAULTS: dict[str, Defaults] = {
+    "hf": Defaults("model", DEFAULT_K),
+    "llamacpp": Defaults("suffix", "auto"),
+}
+
+
+def default_k(target_backend: str, draft_backend: str | None) -> int | str:
+    """k when none is asked for and the drafter is not the backend's default: 'auto' where llama.cpp runs, else
+    DEFAULT_K."""
+    return "auto" if "llamacpp" in (target_backend, draft_backend) else DEFAULT_K
+
+
+def default_drafter(backend: str, has_model: bool) -> str:
+    """The drafter for DraftSpec's 'auto' on a target backend: DEFAULTS' choice, unless a draft model is given
+    and that drafter takes none (then 'model': a draft model the user names is used). A backend without an
+    entry drafts with a draft model."""
+    drafter = DEFAULTS[backend].drafter if backend in DEFAULTS else "model"
+    if has_model and drafter in FREE_DRAFTERS:
+        return "model"
+    return drafter
