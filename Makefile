@@ -21,7 +21,9 @@ install:
 # otherwise). The built wheel is kept under $(VERISPEC_HOME)/wheels, keyed by the version, the patch, the
 # flags, Python and the CPU's feature flags, so that a fresh environment on the same machine installs it in
 # seconds instead of compiling for ~7 minutes; the build reports its key (VERISPEC_BUILD in llama.cpp's
-# system info), so an installed llama-cpp-python built otherwise is replaced.
+# system info), so an installed llama-cpp-python built otherwise is replaced. The wheel's own dependencies are
+# installed after it, and a llama-cpp-python that then fails to import is removed again, so that the default
+# pair falls back to transformers.
 LLAMA_CPP_VERSION = 0.3.36
 LLAMA_PATCH = native/llama.cpp-kernels.patch
 LLAMA_AMX ?= 0
@@ -54,7 +56,9 @@ install-llamacpp:
 	    $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION); \
 	  mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS); \
 	fi; \
-	$(PYTHON) -m pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl
+	$(PYTHON) -m pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl; \
+	$(PYTHON) -m pip install -q $(LLAMA_WHEELS)/llama_cpp_python-*.whl; \
+	$(PYTHON) -c "import llama_cpp" || { $(PYTHON) -m pip uninstall -q -y llama-cpp-python; exit 1; }
 
 models:
 	$(PYTHON) -m verispec.apps.cli models pull

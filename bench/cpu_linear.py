@@ -40,9 +40,8 @@ def _set_order(model: nn.Module, oriented: bool) -> None:
 
 
 def main() -> None:
-    from verispec.assembly.build import DTYPES
     from verispec.backends import HFModel
-    from verispec.backends.loading import load_model
+    from verispec.backends.loading import DTYPES, load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from verispec.assembly.build import BACKENDS, LoadRequest
+from verispec.assembly.registry import BACKENDS, LoadRequest
 from verispec.backends.loading import DTYPES
 from verispec.names.models import DEFAULT_DRAFT
 

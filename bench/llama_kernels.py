@@ -44,13 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verispec.backends.llamacpp import (
-    ENV_EXACT,
-    ENV_MULTICOL,
-    ENV_SPLIT_KV,
-    EXACT_WIDTH,
-    kernels,
-)
+from verispec.backends.llamacpp import ENV_EXACT, ENV_MULTICOL, ENV_SPLIT_KV, EXACT_WIDTH, kernels
 from verispec.names.models import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ import llama_cpp
 from verispec.apps.bench import harness
 from verispec.apps.bench.harness import Bench, Config, balanced_orders
 from verispec.apps.bench.loader import load_prompts, select
-from verispec.assembly.build import DraftSpec, TargetSpec
+from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.core.sampling import SamplingParams
 from verispec.pipeline.text import encode_prompt
 

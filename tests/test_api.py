@@ -189,7 +189,7 @@ def test_every_drafter_loads_and_decodes_exactly(models, plain, drafter):
 
 def test_cli_drafter_names_are_the_registry():
     from verispec.apps.cli import DRAFTER_NAMES, FREE_DRAFTERS
-    from verispec.assembly.build import DRAFTERS
+    from verispec.assembly.registry import DRAFTERS
 
     assert DRAFTER_NAMES == tuple(DRAFTERS)
     assert FREE_DRAFTERS == tuple(name for name, d in DRAFTERS.items() if not d.needs_model)

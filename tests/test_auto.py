@@ -11,25 +11,15 @@ import torch
 from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
 
 from verispec.apps.cli import main
-from verispec.assembly.build import (
-    DEFAULTS,
-    DRAFTERS,
-    Defaults,
-    DraftSpec,
-    Machine,
-    ModelStore,
-    SpecError,
-    TargetSpec,
-    build,
-    choose_backend,
-    choose_dtype,
-    default_refs,
-    describe_machine,
-    resolve,
-    warm_up,
-)
+from verispec.assembly.build import build
+from verispec.assembly.registry import DRAFTERS
+from verispec.assembly.resolve import Machine, choose_backend, choose_dtype, default_refs, describe_machine, resolve
+from verispec.assembly.specs import DraftSpec, TargetSpec
+from verispec.assembly.store import ModelStore, warm_up
 from verispec.backends import HFModel
 from verispec.backends.loading import eog_ids_of_vocab, eog_token_ids
+from verispec.names.errors import SpecError
+from verispec.names.k import DEFAULTS, Defaults
 from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET, MANIFEST
 
 SMOLLM = "smollm2-135m-instruct"
@@ -71,11 +61,11 @@ def test_choose_dtype_on_fake_cpus(flags, dtype, words):
 
 
 def test_the_dtype_defaults_to_the_cpus_choice(pair_dirs, monkeypatch, capsys):
-    import verispec.assembly.build as build_module
+    import verispec.assembly.resolve as resolve_module
 
     target, draft = pair_dirs
     for flags, dtype, torch_dtype in (({"amx_bf16"}, "bf16", torch.bfloat16), ({"avx2"}, "fp32", torch.float32)):
-        monkeypatch.setattr(build_module, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(resolve_module, "cpu_flags", lambda flags=flags: frozenset(flags))
         pipe = build(TargetSpec(target, backend="hf", device="cpu"), DraftSpec("model", draft), 2)
         assert pipe.dtype == dtype and pipe.setup()["dtype"] == dtype
         assert pipe.reason.endswith("; " + choose_dtype(torch.device("cpu"), frozenset(flags))[1])
@@ -271,7 +261,7 @@ def test_eog_rule_on_a_vocabulary():
 def test_the_end_set_is_the_same_on_every_backend(pair_dirs, monkeypatch):
     """build's EOS set includes the tokenizer's EOG tokens (the tiny tokenizer's <|endoftext|> besides its
     EOS <|im_end|>), whichever backend loads the model."""
-    from verispec.assembly.build import BACKENDS, Backend
+    from verispec.assembly.registry import BACKENDS, Backend
 
     target, _ = pair_dirs
     tok = byte_tokenizer()
@@ -302,12 +292,12 @@ def test_warm_up_leaves_the_cache_empty_and_outputs_unchanged():
 def test_the_store_warms_up_each_model_once(pair_dirs, monkeypatch):
     """The target and the draft each get one warm-up at load (a model's forwards before any generation),
     not one per pipeline."""
-    import verispec.assembly.build
+    import verispec.assembly.store
 
     target, draft = pair_dirs
     warmed = []
-    real = verispec.assembly.build.warm_up
-    monkeypatch.setattr(verispec.assembly.build, "warm_up", lambda model: warmed.append(model) or real(model))
+    real = verispec.assembly.store.warm_up
+    monkeypatch.setattr(verispec.assembly.store, "warm_up", lambda model: warmed.append(model) or real(model))
     store = ModelStore()
     t = TargetSpec(target, device="cpu", dtype="fp32")
     a = build(t, DraftSpec("model", draft), 2, store=store)

@@ -16,7 +16,6 @@ from verispec.backends import lean as lean_module
 from verispec.backends.lean import LeanBatch, LeanModel, LeanNet
 from verispec.core.sampling import SamplingParams
 from verispec.decoding import batch as batch_module
-from verispec.decoding import engine as engine_module
 from verispec.decoding.batch import BatchGenerator
 from verispec.proposers import NgramProposer
 from verispec.proposers.rows import BatchDraftModel, ProposerRows

@@ -9,26 +9,14 @@ import torch
 from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
 
 from verispec.apps.cli import main
-from verispec.assembly.build import (
-    BACKENDS,
-    DRAFTERS,
-    Backend,
-    DraftSpec,
-    ModelStore,
-    SpecError,
-    TargetSpec,
-    build,
-    choose_draft_quant,
-    default_k,
-    default_refs,
-    resolve,
-)
-from verispec.backends.llamacpp import (
-    CONTEXT_STEP,
-    context_size,
-    gguf_metadata,
-    kv_bytes_per_token,
-)
+from verispec.assembly.build import build
+from verispec.assembly.registry import BACKENDS, DRAFTERS, Backend
+from verispec.assembly.resolve import choose_draft_quant, default_refs, resolve
+from verispec.assembly.specs import DraftSpec, TargetSpec
+from verispec.assembly.store import ModelStore
+from verispec.backends.llamacpp import CONTEXT_STEP, context_size, gguf_metadata, kv_bytes_per_token
+from verispec.names.errors import SpecError
+from verispec.names.k import default_k
 
 
 @pytest.fixture(scope="module")

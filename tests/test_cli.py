@@ -154,6 +154,25 @@ def test_llamacpp_backend_without_the_extra_says_how_to_install(pair_dirs, capsy
     assert out["draft_backend"] == "hf" and len(out["token_ids"]) == 4
 
 
+def test_llamacpp_installed_but_broken_says_what_fails(monkeypatch):
+    """A llama-cpp-python whose own dependency is missing is not reported as not installed."""
+    import builtins
+
+    from verispec.backends.llamacpp import import_llama_cpp
+    from verispec.names.errors import ModelError
+
+    real_import = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise ModuleNotFoundError("No module named 'diskcache'", name="diskcache")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    with pytest.raises(ModelError, match=r"installed but does not import \(No module named 'diskcache'\)"):
+        import_llama_cpp()
+
+
 # -- conventions: version, help, prompt sources, exit statuses -----------------------------------------
 
 

@@ -7,7 +7,6 @@ import torch
 from stats_util import chi2_pvalue
 from tiny import make_engine, perturbed, tiny_qwen2
 
-import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
 from verispec.core.draft import Draft

@@ -7,7 +7,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import verispec.backends.linear
-from verispec.assembly.build import DraftSpec, TargetSpec, build
+from verispec.assembly.build import build
+from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.backends import HFModel
 from verispec.backends.lean import LeanModel
 from verispec.backends.linear import (

@@ -15,8 +15,9 @@ import textwrap
 import pytest
 
 import verispec.backends.llamacpp as llamacpp
-from verispec.assembly.build import SpecError, TargetSpec, _check_exact_kernels
-from verispec.names.errors import ModelError
+from verispec.assembly.resolve import _check_exact_kernels
+from verispec.assembly.specs import TargetSpec
+from verispec.names.errors import ModelError, SpecError
 from verispec.names.models import DEFAULT_TARGET
 
 VERISPEC_BUILD = ("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | VERISPEC_BUILD = 0123abcd | "

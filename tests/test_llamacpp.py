@@ -9,7 +9,6 @@ import pytest
 import torch
 from stats_util import chi2_pvalue
 
-import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
 from verispec.decoding.engine import SpeculativeGenerator

@@ -21,7 +21,6 @@ import test_exactness as exactness
 import test_verify
 import torch
 
-import verispec.decoding.engine as engine_module
 import verispec.proposers.draft_model as draft_module
 from verispec.backends import HFModel
 from verispec.core import sampling, verify

@@ -8,7 +8,6 @@ from stats_util import chi2_pvalue
 from test_engine import _exact_marginals
 from tiny import make_engine, perturbed, tiny_qwen2
 
-import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.proposers.ngram import find_continuation
 

@@ -12,12 +12,7 @@ from stats_util import chi2_pvalue
 from tiny import make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
-from verispec.core.sampling import (
-    count_rows,
-    probs_from_logits,
-    process_logits,
-    token_counts,
-)
+from verispec.core.sampling import count_rows, probs_from_logits, process_logits, token_counts
 
 ALPHA = 1e-4
 PROMPT = [3, 1, 2]
@@ -196,7 +191,6 @@ def test_penalised_loop_marginals_match_target(small_vocab_pair):
 def test_penalised_loop_negative_control(small_vocab_pair, monkeypatch):
     """The same test fails when every verify row gets the committed counts only (the drafts before a row
     not counted): exactness needs the per-row counts."""
-    import verispec.decoding.engine as engine_module
 
     monkeypatch.setattr("verispec.core.rows.count_rows", lambda c, tokens: c.unsqueeze(0).repeat(tokens.numel() + 1, 1))
     target, draft = small_vocab_pair

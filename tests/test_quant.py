@@ -4,13 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from verispec.backends.quant import (
-    INT4_GROUP,
-    PACKED_MAX_ROWS,
-    Int4Linear,
-    Int8Linear,
-    quantize_model,
-)
+from verispec.backends.quant import INT4_GROUP, PACKED_MAX_ROWS, Int4Linear, Int8Linear, quantize_model
 
 
 def _dequantized_int4(layer: Int4Linear, linear: nn.Linear) -> torch.Tensor:

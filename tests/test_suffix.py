@@ -11,7 +11,6 @@ from stats_util import chi2_pvalue
 from test_engine import _exact_marginals
 from tiny import tiny_qwen2
 
-import verispec.decoding.engine as engine_module
 from verispec import SamplingParams
 from verispec.backends import HFModel
 from verispec.core.sequence import TokenSequence

@@ -8,12 +8,7 @@ from stats_util import chi2_pvalue, total_variation
 
 from verispec.core import verify
 from verispec.core.sampling import SamplingParams, probs_from_logits
-from verispec.core.verify import (
-    acceptance_probability,
-    greedy_verify,
-    recovery_distribution,
-    rejection_sample,
-)
+from verispec.core.verify import acceptance_probability, greedy_verify, recovery_distribution, rejection_sample
 
 ALPHA = 1e-4  # per-test significance: the false-failure probability of each chi-square assertion
 

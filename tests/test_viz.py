@@ -210,7 +210,7 @@ def test_bench_report_has_per_round_data_for_the_plots(pair_dirs, tmp_path):
     from verispec.apps.bench.harness import Bench, Config, run_benchmark
     from verispec.apps.bench.loader import load_prompts, select
     from verispec.apps.bench.report import PLOTS, build_report, write_plots
-    from verispec.assembly.build import DraftSpec, TargetSpec
+    from verispec.assembly.specs import DraftSpec, TargetSpec
     from verispec.core.sampling import SamplingParams
 
     target, draft = pair_dirs

@@ -7,12 +7,7 @@ from tiny import byte_tokenizer, make_engine, perturbed, tiny_qwen2
 
 from verispec.backends import HFModel
 from verispec.backends.quant import quantize_model
-from verispec.backends.vocab import (
-    ROW_MULTIPLE,
-    SubsetHead,
-    frequent_tokens,
-    restrict_head,
-)
+from verispec.backends.vocab import ROW_MULTIPLE, SubsetHead, frequent_tokens, restrict_head
 
 
 def test_frequent_tokens_keeps_specials_and_lowest_ids():

@@ -16,14 +16,16 @@ from verispec.names import __version__
 
 if TYPE_CHECKING:
     from verispec.apps.chat import ChatBot
-    from verispec.assembly.build import DraftSpec, ModelStore, TargetSpec, build, load
+    from verispec.assembly.build import build, load
+    from verispec.assembly.specs import DraftSpec, TargetSpec
+    from verispec.assembly.store import ModelStore
     from verispec.names.errors import ModelError, SpecError
     from verispec.pipeline.pipeline import Completion, Pipeline, TextStream
 
 # imported on first use: they bring in transformers, which the command line's light paths do without
 _LAZY = {
-    "DraftSpec": "verispec.assembly.build", "ModelStore": "verispec.assembly.build",
-    "TargetSpec": "verispec.assembly.build", "build": "verispec.assembly.build", "load": "verispec.assembly.build",
+    "DraftSpec": "verispec.assembly.specs", "ModelStore": "verispec.assembly.store",
+    "TargetSpec": "verispec.assembly.specs", "build": "verispec.assembly.build", "load": "verispec.assembly.build",
     "ChatBot": "verispec.apps.chat", "ModelError": "verispec.names.errors", "SpecError": "verispec.names.errors",
     "Completion": "verispec.pipeline.pipeline", "Pipeline": "verispec.pipeline.pipeline",
     "TextStream": "verispec.pipeline.pipeline",

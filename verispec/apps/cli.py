@@ -206,7 +206,7 @@ _SPEC_FLAGS = {
 def _spec_errors():
     """A refused spec as one line naming the flag at fault and the flags that would be accepted: a usage error
     (ValueError), or a runtime failure (ModelError) when the machine cannot honour valid settings."""
-    from verispec.assembly.build import SpecError
+    from verispec.names.errors import SpecError
 
     try:
         yield
@@ -220,7 +220,8 @@ def _spec_errors():
 
 def _specs(args, drafter: str | None):
     """(TargetSpec, DraftSpec or None) from the model options; `drafter` None: plain decoding."""
-    from verispec.assembly.build import DraftSpec, TargetSpec, default_refs
+    from verispec.assembly.resolve import default_refs
+    from verispec.assembly.specs import DraftSpec, TargetSpec
 
     target, draft = default_refs(args.target, args.draft, drafter, args.pull, args.backend, args.device)
     target_spec = TargetSpec(target, args.backend, args.device, None if args.dtype == "auto" else args.dtype,
@@ -466,12 +467,7 @@ def cmd_bench(args) -> int:
         TimeRemainingColumn,
     )
 
-    from verispec.apps.bench.harness import (
-        Bench,
-        Config,
-        parse_draft_variant,
-        run_benchmark,
-    )
+    from verispec.apps.bench.harness import Bench, Config, parse_draft_variant, run_benchmark
     from verispec.apps.bench.report import build_report, render_table, write_plots
 
     params = _sampling(args)

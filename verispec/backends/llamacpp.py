@@ -43,7 +43,10 @@ def import_llama_cpp():
     try:
         import llama_cpp
     except ImportError as exc:
-        raise ModelError(INSTALL_HINT) from exc
+        if exc.name == "llama_cpp":
+            raise ModelError(INSTALL_HINT) from exc
+        raise ModelError(f"llama-cpp-python is installed but does not import ({exc}): reinstall it with "
+                         f"`make install-llamacpp`") from exc
     return llama_cpp
 
 

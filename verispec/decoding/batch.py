@@ -40,6 +40,7 @@ from verispec.core.sequence import TokenSequence
 from verispec.core.timing import sync
 from verispec.decoding.engine import Committed, GenerationResult, StopFn, cut_at_stop
 from verispec.decoding.policies.base import FixedK, RoundReport, RoundView
+from verispec.names.drafters import Source
 from verispec.names.k import BATCH_AUTO_K, DEFAULT_K
 from verispec.proposers.rows import RowDrafter, no_draft
 
@@ -221,7 +222,7 @@ class BatchGenerator:
         return [row for row in self.active if row not in partial and row not in waiting], partial
 
     def _view(self, row: BatchRequest) -> RoundView:
-        source = "none" if self.drafter is None else self.drafter.source(row.slot, row.seq)
+        source = Source.NONE if self.drafter is None else self.drafter.source(row.slot, row.seq)
         return RoundView(row.seq, row.max_new_tokens - len(row.seq.generated) - 1, source, 0, lambda: None)
 
     def _score(self, ready: list[BatchRequest], drafts: list[Draft],

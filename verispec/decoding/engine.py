@@ -20,7 +20,6 @@ The engine knows token ids only. Text-level stops come in as a callback from the
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -34,14 +33,9 @@ from verispec.core.sampling import SamplingParams, make_generator
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import Clock, sync
 from verispec.core.tree import TokenTree, verify_tree
-from verispec.decoding.policies.base import (
-    FixedK,
-    KPolicy,
-    Plan,
-    RoundReport,
-    RoundView,
-)
+from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView
 from verispec.decoding.stats import SpecStats
+from verispec.names.drafters import Source
 from verispec.names.k import DEFAULT_K, check_k
 from verispec.proposers.base import Proposer
 
@@ -262,7 +256,7 @@ class SpeculativeGenerator:
         """What the k policy sees before a round."""
         proposer = self.proposer
         if proposer is None:
-            return RoundView(seq, 0, "none", 0, lambda: None)
+            return RoundView(seq, 0, Source.NONE, 0, lambda: None)
         return RoundView(seq, max_new_tokens - len(seq.generated) - 1, proposer.source(seq), proposer.pending(seq),
                          lambda: self._time_draft_step(seq, stats))
 

@@ -19,6 +19,7 @@ from verispec.core.sampling import (
     token_counts,
 )
 from verispec.core.sequence import TokenSequence
+from verispec.names.drafters import Source
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -81,7 +82,7 @@ class DraftModelProposer:
         self._held_seq, self._held_len = seq, keep
 
     def source(self, seq: TokenSequence) -> str:
-        return "model"
+        return Source.MODEL
 
     def pending(self, seq: TokenSequence) -> int:
         """Tokens the next propose would feed in a separate catch-up pass (0 when it just feeds the last one
@@ -123,7 +124,7 @@ class DraftModelProposer:
             feed = token
         draft_tokens = torch.cat(tokens) if tokens else seq.device_ids.new_empty(0)
         draft_probs = torch.cat(probs) if probs else None
-        return Draft(draft_tokens, draft_probs, "model", len(tokens))
+        return Draft(draft_tokens, draft_probs, Source.MODEL, len(tokens))
 
     def reset(self) -> None:
         self.model.reset()

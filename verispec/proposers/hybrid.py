@@ -8,12 +8,13 @@ import torch
 from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
+from verispec.names.drafters import Source
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.proposers.suffix import SuffixProposer
 
 Lookup = NgramProposer | SuffixProposer
-CONFIDENT = frozenset({"ngram", "suffix"})  # the lookup drafters' sources for a long (confident) match
+CONFIDENT = frozenset({Source.NGRAM, Source.SUFFIX})  # the lookup drafters' sources for a long (confident) match
 
 
 class HybridProposer:
@@ -28,20 +29,20 @@ class HybridProposer:
 
     def source(self, seq: TokenSequence) -> str:
         source = self.lookup.source(seq)
-        return source if source in CONFIDENT else "model"
+        return source if source in CONFIDENT else Source.MODEL
 
     def pending(self, seq: TokenSequence) -> int:
-        return self.model.pending(seq) if self.source(seq) == "model" else 0
+        return self.model.pending(seq) if self.source(seq) == Source.MODEL else 0
 
     def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
-        return self.model.catch_up(seq, limit) if self.source(seq) == "model" else 0
+        return self.model.catch_up(seq, limit) if self.source(seq) == Source.MODEL else 0
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.lookup.start(seq, params, generator)
         self.model.start(seq, params, generator)
 
     def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
-        if self.source(seq) != "model":
+        if self.source(seq) != Source.MODEL:
             draft = self.lookup.propose(seq, k)
             if draft.tokens.numel() > 0:
                 self._last = self.lookup

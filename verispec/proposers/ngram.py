@@ -13,6 +13,7 @@ import torch
 from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
+from verispec.names.drafters import Source
 
 
 def find_match(tokens: list[int], max_ngram: int, min_ngram: int) -> tuple[int, int]:
@@ -67,7 +68,7 @@ class NgramProposer:
     def source(self, seq: TokenSequence) -> str:
         """'ngram' (a match of at least min_confident tokens), 'ngram-short' (a shorter one) or 'none'."""
         n = self.match(seq)[1]
-        return "none" if not n else "ngram" if n >= self.min_confident else "ngram-short"
+        return Source.NONE if not n else Source.NGRAM if n >= self.min_confident else Source.NGRAM_SHORT
 
     def pending(self, seq: TokenSequence) -> int:
         return 0  # free: nothing to catch up on

@@ -20,6 +20,7 @@ from verispec.backends.quant import PACKED_MAX_ROWS
 from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams, token_counts
 from verispec.core.sequence import TokenSequence
+from verispec.names.drafters import Source
 from verispec.proposers.base import Proposer
 from verispec.proposers.draft_model import after_token, align_vocab, draft_token
 
@@ -71,7 +72,7 @@ class BatchDraftModel:
         self._base[slot] = 0
 
     def source(self, slot: int, seq: TokenSequence) -> str:
-        return "model"
+        return Source.MODEL
 
     def _catch_up(self, slot: int, seq: TokenSequence) -> torch.Tensor:
         """Feed a slot that is more than two tokens behind (a new prompt) all but the last committed token,
@@ -116,7 +117,7 @@ class BatchDraftModel:
             step += 1
             live = [i for i in live if rows[i][2] > step]
         for i, (presence, counts, tokens, probs) in state.items():
-            drafts[i] = Draft(torch.cat(tokens), torch.cat(probs) if probs else None, "model", len(tokens))
+            drafts[i] = Draft(torch.cat(tokens), torch.cat(probs) if probs else None, Source.MODEL, len(tokens))
         return drafts
 
     def _step(self, slots: list[int], feeds: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ import torch
 from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
+from verispec.names.drafters import Source
 
 
 class _Text:
@@ -324,8 +325,8 @@ class SuffixProposer:
         match, or its best continuation is below min_prob)."""
         m, cursors = self._match(seq, self.max_depth - 1)
         if not m or not self._walk(cursors, 1):
-            return "none"
-        return "suffix" if m >= self.min_confident else "suffix-short"
+            return Source.NONE
+        return Source.SUFFIX if m >= self.min_confident else Source.SUFFIX_SHORT
 
     def pending(self, seq: TokenSequence) -> int:
         return 0  # free: nothing to catch up on

@@ -10,20 +10,16 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from verispec.apps.bench.loader import Prompt, answer_history
-from verispec.assembly.build import (
-    BACKENDS,
-    DRAFT_FORWARDS,
-    DRAFTERS,
-    DraftSpec,
-    ModelStore,
-    SpecError,
-    TargetSpec,
-    build,
-    resolve,
-)
+from verispec.assembly.build import build
+from verispec.assembly.registry import BACKENDS, DRAFTERS
+from verispec.assembly.resolve import resolve
+from verispec.assembly.specs import DraftSpec, TargetSpec
+from verispec.assembly.store import ModelStore
 from verispec.backends import HFModel
 from verispec.backends.quant import QUANT_MODES
 from verispec.core.sampling import SamplingParams
+from verispec.names.drafters import DRAFT_FORWARDS
+from verispec.names.errors import SpecError
 from verispec.pipeline.pipeline import Pipeline
 from verispec.pipeline.text import encode_messages, encode_prompt
 
@@ -131,11 +127,7 @@ class Bench:
     def llama(self, lookup: bool):
         """llama-cpp-python's own Llama on the target's GGUF: the target's when it runs on llama.cpp (plain
         decoding), else one opened for the benchmark."""
-        from verispec.backends.llamacpp import (
-            LlamaCppModel,
-            import_llama_cpp,
-            open_llama,
-        )
+        from verispec.backends.llamacpp import LlamaCppModel, import_llama_cpp, open_llama
         from verispec.backends.loading import resolve_gguf
 
         target = self.baseline.generator.target

@@ -24,6 +24,7 @@ import torch
 
 from verispec.core.draft import Draft
 from verispec.decoding.policies.base import Plan, RoundReport, RoundView
+from verispec.names.drafters import Source
 from verispec.names.k import K_MAX
 from verispec.proposers.ngram import lookup_guess
 
@@ -406,7 +407,7 @@ class CostAwareK:
                 policy.costs.observe_draft_step(step)
         if view.limit > 0 and self._wants_filler(policy.costs):
             guess = torch.tensor([lookup_guess(view.seq.ids)], dtype=torch.long).to(view.seq.buffer.device)
-            return Plan(1, Draft(guess, None, "guess"))
+            return Plan(1, Draft(guess, None, Source.GUESS))
         return Plan(policy.choose(view.limit, view.pending))
 
     def observe(self, report: RoundReport) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from verispec.core.tree import TokenTree
 from verispec.decoding.policies.base import Plan, RoundReport, RoundView
 from verispec.decoding.policies.cost_aware import ema
+from verispec.names.drafters import Source
 from verispec.proposers.tree_draft import TREE_DEPTH
 
 TREE_MAX_NODES = 32  # the largest node budget an auto tree tries
@@ -106,7 +107,7 @@ class TreeBudget:
         pass
 
     def choose(self, view: RoundView) -> Plan:
-        if view.limit < 1 or view.source == "none" or self.verify.plain is None:
+        if view.limit < 1 or view.source == Source.NONE or self.verify.plain is None:
             return Plan(0)  # a plain round measures the pass every tree is weighed against
         self.rounds += 1
         depth_cap = min(self.max_depth, view.limit)
