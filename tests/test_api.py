@@ -132,7 +132,7 @@ def test_generation_config_honoured_and_keywords_win(pipe, monkeypatch):
     assert len(pipe.generate(PROMPT, generation_config=sampled, max_new_tokens=5).token_ids) == 5
     seen = []
     real = pipe.generator.stream
-    monkeypatch.setattr(pipe.generator, "stream", lambda ids, params, **kw: seen.append(params) or real(ids, params, **kw))
+    monkeypatch.setattr(pipe.generator, "stream", lambda request, **kw: seen.append(request.params) or real(request, **kw))
     pipe.generate(PROMPT, generation_config=GenerationConfig(do_sample=True, temperature=0.5, top_k=7, top_p=0.9,
                                                              min_p=0.05, repetition_penalty=1.2), top_k=3)
     params = seen[-1]

@@ -17,6 +17,7 @@ from verispec.backends.lean import LeanBatch, LeanModel, LeanNet
 from verispec.core.sampling import SamplingParams
 from verispec.decoding import batch as batch_module
 from verispec.decoding.batch import BatchGenerator
+from verispec.decoding.request import Request
 from verispec.proposers import NgramProposer
 from verispec.proposers.rows import BatchDraftModel, ProposerRows
 
@@ -36,7 +37,13 @@ def make_batch(target, draft, slots, k=4, eos=(EOS,), drafter="model") -> BatchG
         rows = BatchDraftModel(LeanBatch(LeanNet(draft), slots), target.config.vocab_size)
     elif drafter == "ngram":
         rows = ProposerRows(lambda: NgramProposer(max_ngram=3, min_ngram=1))
-    return BatchGenerator(LeanBatch(LeanNet(target), slots), rows, solo.prepare, k)
+    return BatchGenerator(LeanBatch(LeanNet(target), slots), rows, solo.eos_token_ids, k)
+
+
+def run_all(batch, reqs):
+    """BatchGenerator.run over requests written as keyword dicts of Request's fields ('stop': a stop test)."""
+    return batch.run([Request(**{k: v for k, v in r.items() if k != "stop"}) for r in reqs],
+                     [r.get("stop") for r in reqs])
 
 
 def plain_greedy(target, prompt, max_new, eos=(EOS,)):
@@ -109,7 +116,7 @@ def test_greedy_batch_identical_to_plain_decoding(pair, size):
     reqs[0]["max_new_tokens"] = 30
     eos = plain_greedy(target, reqs[0]["prompt_ids"], 30, eos=())[5]  # the first sequence stops at its 6th token
     batch = make_batch(target, draft, size, eos=(eos,))
-    results = batch.run(reqs)
+    results = run_all(batch, reqs)
     for req, result in zip(reqs, results):
         assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"], eos=(eos,)), req
     assert not batch.active and batch.free_slots == size
@@ -124,7 +131,7 @@ def test_requests_joining_a_running_batch(pair, drafter):
     target, draft = pair
     reqs = requests(9, seed=11)
     batch = make_batch(target, draft, 3, drafter=drafter)
-    for req, result in zip(reqs, batch.run(reqs)):
+    for req, result in zip(reqs, run_all(batch, reqs)):
         assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"])
 
 
@@ -156,7 +163,7 @@ def test_a_joining_prompt_is_prefilled_in_the_rounds_shared_pass(pair):
     while batch.active:
         batch.step()
     for request in (running, *joiners):
-        assert request.result.token_ids == plain_greedy(target, request.prompt_ids, 12, eos=())
+        assert request.result.token_ids == plain_greedy(target, request.request.prompt_ids, 12, eos=())
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7])
@@ -169,7 +176,7 @@ def test_long_prompts_are_prefilled_in_parts_while_others_decode(pair, chunk):
     batch = make_batch(target, draft, 3)
     batch.prefill_chunk = chunk
     passes = _record_target_passes(batch)
-    results = batch.run(reqs)
+    results = run_all(batch, reqs)
     for req, result in zip(reqs, results):
         assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"]), req
     parts = [(sizes, keep) for sizes, keep in passes if 0 in keep]
@@ -203,7 +210,7 @@ def test_a_half_fed_prompt_moves_and_is_cancelled_cleanly(pair):
     while batch.active:
         batch.step()
     for request in (second, long, last):
-        assert request.result.token_ids == plain_greedy(target, request.prompt_ids, 10, eos=())
+        assert request.result.token_ids == plain_greedy(target, request.request.prompt_ids, 10, eos=())
     assert cancelled.result.token_ids == []
 
 
@@ -213,7 +220,7 @@ def test_cancel_mid_batch_leaves_the_others_exact(pair):
     target, draft = pair
     reqs = [dict(prompt_ids=[1, 2, 3, i], max_new_tokens=25, num_draft_tokens=2 + i % 3) for i in range(4)]
     batch = make_batch(target, draft, 4, eos=())
-    handles = [batch.add(**req) for req in reqs]
+    handles = [batch.add(Request(**req)) for req in reqs]
     batch.step()
     batch.step()
     batch.cancel(handles[1])
@@ -235,7 +242,7 @@ def test_stops_and_logprobs_per_row(pair):
     solo = make_engine(target, draft, k=3, eos=(EOS,))
     alone = solo.generate([4, 4, 9], max_new_tokens=20, stop=stop, logprobs=2)
     batch = make_batch(target, draft, 3, k=3)
-    results = batch.run([dict(prompt_ids=[1, 2], max_new_tokens=12),
+    results = run_all(batch, [dict(prompt_ids=[1, 2], max_new_tokens=12),
                          dict(prompt_ids=[4, 4, 9], max_new_tokens=20, stop=stop, logprobs=2),
                          dict(prompt_ids=[3] * 10, max_new_tokens=9)])
     got = results[1]
@@ -270,7 +277,7 @@ def test_a_failed_round_leaves_a_clean_batch(pair, monkeypatch):
     assert not batch.active and batch.free_slots == 2 and second.done
     monkeypatch.undo()
     reqs = requests(3, seed=5)
-    for req, result in zip(reqs, batch.run(reqs)):
+    for req, result in zip(reqs, run_all(batch, reqs)):
         assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"], eos=())
 
 
@@ -307,7 +314,7 @@ def _batch_histograms(target, draft, n, steps, seed0):
         reqs = [dict(prompt_ids=p, params=SamplingParams(**{**params.__dict__, "seed": seed0 + 3 * i + r}),
                      max_new_tokens=steps, num_draft_tokens=k)
                 for r, (p, params, k) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS, (2, 1, 3)))]
-        for r, result in enumerate(batch.run(reqs)):
+        for r, result in enumerate(run_all(batch, reqs)):
             for pos, tok in enumerate(result.token_ids):
                 counts[r, pos, tok] += 1
     return counts
@@ -345,14 +352,14 @@ def test_seed_reproduces_whatever_the_batch_mates(pair):
     target, draft = pair
     mine = dict(prompt_ids=[2, 9, 4], params=SamplingParams(temperature=0.9, top_p=0.9, seed=123), max_new_tokens=24,
                 num_draft_tokens=3)
-    alone = make_batch(target, draft, 1).run([mine])[0].token_ids
+    alone = run_all(make_batch(target, draft, 1), [mine])[0].token_ids
     mates = [dict(prompt_ids=[i, i + 1], params=SamplingParams(temperature=1.2, seed=i), max_new_tokens=10 + i)
              for i in range(3)]
-    assert make_batch(target, draft, 4).run([mates[0], mine, *mates[1:]])[1].token_ids == alone
-    assert make_batch(target, draft, 2).run([*mates, mine])[3].token_ids == alone  # joins mid-way
+    assert run_all(make_batch(target, draft, 4), [mates[0], mine, *mates[1:]])[1].token_ids == alone
+    assert run_all(make_batch(target, draft, 2), [*mates, mine])[3].token_ids == alone  # joins mid-way
     chunked = make_batch(target, draft, 3)
     chunked.prefill_chunk = 2  # its prompt fed in parts that depend on the mates ahead of it
-    assert chunked.run([*mates, mine])[3].token_ids == alone
+    assert run_all(chunked, [*mates, mine])[3].token_ids == alone
 
 
 # -- the library -------------------------------------------------------------------------------------
@@ -388,10 +395,10 @@ def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
 
     def batch(slots):
         return BatchGenerator(LeanBatch(LeanNet(target), slots), BatchDraftModel(LeanBatch(net, slots), 264),
-                              solo.prepare, 3)
+                              solo.eos_token_ids, 3)
 
     mine = dict(prompt_ids=[5, 6, 7], params=SamplingParams(temperature=1.0, seed=9), max_new_tokens=24)
-    alone = batch(1).run([mine])[0].token_ids
+    alone = run_all(batch(1), [mine])[0].token_ids
     mates = [dict(prompt_ids=[i + 1] * (i + 2), params=SamplingParams(temperature=0.0), max_new_tokens=30)
              for i in range(5)]
-    assert batch(6).run([*mates, mine])[5].token_ids == alone
+    assert run_all(batch(6), [*mates, mine])[5].token_ids == alone

@@ -360,7 +360,7 @@ def test_a_job_submitted_as_the_worker_dies_is_refused_not_stranded(monkeypatch)
     from types import SimpleNamespace
 
     from verispec.apps.server.worker import Job, ShuttingDown, Worker
-    from verispec.core.sampling import SamplingParams
+    from verispec.decoding.request import Request
 
     gauge = SimpleNamespace(set=lambda value: None)
     worker = Worker(SimpleNamespace(), max_queue=4, metrics=SimpleNamespace(waiting=gauge, running=gauge))
@@ -372,7 +372,7 @@ def test_a_job_submitted_as_the_worker_dies_is_refused_not_stranded(monkeypatch)
     monkeypatch.setattr(worker, "_stopping", False)
     loop = asyncio.new_event_loop()
     try:
-        job = Job([1], SamplingParams(), 4, 0, [], loop)
+        job = Job(Request(prompt_ids=[1], max_new_tokens=4, num_draft_tokens=0), loop)
         with pytest.raises(ShuttingDown, match="stopped unexpectedly"):
             worker.submit(job)
         assert len(worker.jobs) == 0

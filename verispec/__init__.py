@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from verispec.assembly.build import build, load
     from verispec.assembly.specs import DraftSpec, TargetSpec
     from verispec.assembly.store import ModelStore
+    from verispec.decoding.request import Request
     from verispec.names.errors import ModelError, SpecError
     from verispec.pipeline.pipeline import Completion, Pipeline, TextStream
 
@@ -28,7 +29,7 @@ _LAZY = {
     "TargetSpec": "verispec.assembly.specs", "build": "verispec.assembly.build", "load": "verispec.assembly.build",
     "ChatBot": "verispec.apps.chat", "ModelError": "verispec.names.errors", "SpecError": "verispec.names.errors",
     "Completion": "verispec.pipeline.pipeline", "Pipeline": "verispec.pipeline.pipeline",
-    "TextStream": "verispec.pipeline.pipeline",
+    "TextStream": "verispec.pipeline.pipeline", "Request": "verispec.decoding.request",
 }
 
 
@@ -39,6 +40,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ChatBot", "Completion", "DraftSpec", "GenerationResult", "ModelError", "ModelStore", "Pipeline", "SamplingParams",
-    "SpecError", "SpecStats", "SpeculativeGenerator", "TargetSpec", "TextStream", "__version__", "build", "load",
+    "ChatBot", "Completion", "DraftSpec", "GenerationResult", "ModelError", "ModelStore", "Pipeline", "Request",
+    "SamplingParams", "SpecError", "SpecStats", "SpeculativeGenerator", "TargetSpec", "TextStream", "__version__", "build", "load",
 ]

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from verispec.core.sampling import SamplingParams
+from verispec.decoding.request import Request
 from verispec.decoding.stats import SpecStats
 from verispec.names.k import DEFAULT_K
 from verispec.pipeline.pipeline import Pipeline
-from verispec.pipeline.provenance import Piece, ProvenanceText
+from verispec.pipeline.provenance import Piece
 from verispec.pipeline.text import encode_messages
 
 
@@ -106,27 +107,17 @@ class ChatBot:
         if not user_message.strip():
             raise ValueError("empty message")
         prompt = self.prompt_ids(user_message)
-        text = ProvenanceText(self.pipeline.tokenizer, self.stop)
-        generation = self.pipeline.generator.stream(
-            prompt, self.params, self.max_new_tokens, self.num_draft_tokens,
-            stop=text.assembler.stop_index if self.stop else None,
-        )
-        finished = False
+        stream = self.pipeline.stream(Request(prompt_ids=prompt, params=self.params,
+                                              max_new_tokens=self.max_new_tokens,
+                                              num_draft_tokens=self.num_draft_tokens, stop=self.stop))
         try:
-            for chunk in generation:
-                piece = text.push(chunk)
-                if piece is not None:
-                    yield piece
-            finished = True
-            rest = text.finish()
-            if rest is not None:
-                yield rest
+            yield from stream.pieces()
         finally:
-            generation.close()
-            text.finish()
-            self.history += [{"role": "user", "content": user_message}, {"role": "assistant", "content": text.text}]
-            turn = TurnStats(generation.result.stats, len(generation.result.token_ids), interrupted=not finished)
-            if finished and self.measure_plain and turn.reply_tokens:
+            stream.close()
+            result = stream.result
+            self.history += [{"role": "user", "content": user_message}, {"role": "assistant", "content": result.text}]
+            turn = TurnStats(result.stats, len(result.token_ids), interrupted=not stream.finished)
+            if stream.finished and self.measure_plain and turn.reply_tokens:
                 turn.plain_seconds, turn.plain_tokens = self._plain_decode(prompt, turn.reply_tokens)
             self.turns.append(turn)
 

@@ -283,7 +283,7 @@ def _color(args) -> bool:
 
 def cmd_generate(args) -> int:
     from verispec.apps.repl import LEGEND, TokenWriter
-    from verispec.pipeline.provenance import ProvenanceText
+    from verispec.decoding.request import Request
     from verispec.pipeline.text import encode_prompt
 
     params = _sampling(args)
@@ -292,27 +292,22 @@ def cmd_generate(args) -> int:
     pipe = _pipeline(args)
     # a system message is part of a chat template: --system implies --chat
     prompt_ids = encode_prompt(pipe.tokenizer, prompt, args.chat or args.system is not None, args.system)
-    text = ProvenanceText(pipe.tokenizer, args.stop)
     color = _color(args) and not args.json
     out = TokenWriter(sys.stdout, color)
     if color:
         print(LEGEND, file=sys.stderr, flush=True)
     try:
-        generation = pipe.generator.stream(
-            prompt_ids, params, max_new_tokens=args.max_new_tokens,
-            stop=text.assembler.stop_index if args.stop else None
-        )
-        for chunk in generation:
-            piece = text.push(chunk)
-            if not args.json and piece is not None:
+        stream = pipe.stream(Request(prompt_ids=prompt_ids, params=params, max_new_tokens=args.max_new_tokens,
+                                     stop=tuple(args.stop)))
+        for piece in stream.pieces():
+            if not args.json:
                 out.write(piece)
     except ValueError as exc:  # the engine refusing this prompt (e.g. too long for the context) is a failure
         raise CommandError(f"generation failed: {exc}") from exc
-    result = generation.result
+    result = stream.result
     if args.json:
-        text.finish()
         print(json.dumps({
-            "text": text.text,
+            "text": result.text,
             "token_ids": result.token_ids,
             "finish_reason": result.finish_reason,
             "prompt_tokens": len(prompt_ids),
@@ -332,9 +327,6 @@ def cmd_generate(args) -> int:
             "stats": result.stats.to_dict(),
         }))
     else:
-        rest = text.finish()
-        if rest is not None:
-            out.write(rest)
         out.text("\n")
         print(result.stats.summary(), file=sys.stderr)
     return 0

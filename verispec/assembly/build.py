@@ -164,7 +164,7 @@ def batch_generator(pipe: Pipeline, max_batch: int) -> BatchGenerator:
     elif pipe.drafter != "none":
         make = DRAFTERS[pipe.drafter].make
         drafter = ProposerRows(lambda: make(None, target.vocab_size))
-    return BatchGenerator(LeanBatch(_lean_net(target), max_batch), drafter, pipe.generator.prepare, pipe.k,
+    return BatchGenerator(LeanBatch(_lean_net(target), max_batch), drafter, pipe.generator.eos_token_ids, pipe.k,
                           pipe.context_length)
 
 

@@ -27,7 +27,7 @@ pass, and in a batch that pass is shared.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,10 +38,11 @@ from verispec.core.rows import TokenLogprob, commit, verify
 from verispec.core.sampling import SamplingParams, make_generator
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import sync
-from verispec.decoding.engine import Committed, GenerationResult, StopFn, cut_at_stop
+from verispec.decoding.engine import cut_at_stop
 from verispec.decoding.policies.base import FixedK, RoundReport, RoundView
+from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.names.drafters import Source
-from verispec.names.k import BATCH_AUTO_K, DEFAULT_K
+from verispec.names.k import BATCH_AUTO_K, DEFAULT_K, check_k
 from verispec.proposers.rows import RowDrafter, no_draft
 
 PREFILL_CHUNK = 512  # prompt tokens a round feeds at most, over all the rows still being prefilled
@@ -49,16 +50,13 @@ PREFILL_CHUNK = 512  # prompt tokens a round feeds at most, over all the rows st
 
 @dataclass(eq=False)
 class BatchRequest:
-    """One sequence in a batch. `result` fills as rounds commit; `done` once it finished or was cancelled."""
+    """One sequence in a batch: its resolved request, k and stop test. `result` fills as rounds commit; `done`
+    once it finished or was cancelled."""
 
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_new_tokens: int
+    request: Resolved
     policy: FixedK
     stop: StopFn | None
-    stop_ids: frozenset[int]
     result: GenerationResult
-    top_logprobs: int | None = None
     done: bool = False
     slot: int = -1
     seq: TokenSequence | None = None
@@ -69,14 +67,14 @@ class BatchRequest:
 
 class BatchGenerator:
     """Continuous batching of speculative decoding over one target and one drafter (None: plain decoding).
-    `prepare` is the single-sequence engine's request check (a SpeculativeGenerator's `prepare`), so that a
-    request means the same in a batch and alone."""
+    Requests resolve as the single-sequence engine's do (verispec.decoding.request), with this target's EOS
+    ids and the pair's context (`max_length`), so that a request means the same in a batch and alone."""
 
     def __init__(
         self,
         target: SlotModel,
         drafter: RowDrafter | None,
-        prepare: Callable,
+        eos_token_ids: Iterable[int] = (),
         num_draft_tokens: int | str = DEFAULT_K,
         max_length: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
@@ -86,8 +84,8 @@ class BatchGenerator:
         self.target = target
         self.prefill_chunk = prefill_chunk
         self.drafter = drafter
-        self.prepare = prepare
-        self.num_draft_tokens = num_draft_tokens
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.num_draft_tokens = check_k(num_draft_tokens)
         self.max_batch = target.slots
         self.max_length = min(target.max_length, max_length or target.max_length)  # the pair's context
         self.device = target.device
@@ -97,40 +95,32 @@ class BatchGenerator:
     def free_slots(self) -> int:
         return self.max_batch - len(self.active)
 
-    def add(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams = SamplingParams(),
-        max_new_tokens: int = 128,
-        num_draft_tokens: int | str | None = None,
-        stop: StopFn | None = None,
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
-        logprobs: int | None = None,
-    ) -> BatchRequest:
-        """Admit a request into a free slot (ValueError: a bad request; RuntimeError: no free slot). It joins
-        the next round, whose target pass prefills its prompt."""
+    def add(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
+            stop: StopFn | None = None, **fields) -> BatchRequest:
+        """Admit a request (a Request, or prompt ids with params and Request's other fields as keywords; `stop`:
+        the test for its text stops) into a free slot (ValueError: a bad request; RuntimeError: no free slot).
+        It joins the next round, whose target pass prefills its prompt."""
         if not self.free_slots:
             raise RuntimeError(f"the batch is full ({self.max_batch} sequences)")
-        prompt_ids, params, k, stop_ids, result = self.prepare(
-            prompt_ids, params, max_new_tokens, num_draft_tokens if num_draft_tokens is not None
-            else self.num_draft_tokens, stop_token_ids, ignore_eos, logprobs)
-        if len(prompt_ids) >= self.max_length:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_length}")
-        k = BATCH_AUTO_K if k == "auto" else k
+        resolved = self.resolve(as_request(request, params, **fields))
+        k = BATCH_AUTO_K if resolved.k == "auto" else resolved.k
         if self.drafter is None:
             k = 0
-        max_new_tokens = min(max_new_tokens, self.max_length - len(prompt_ids))
-        request = BatchRequest(prompt_ids, params, max_new_tokens, FixedK(k), stop, stop_ids, result, logprobs)
-        request.slot = len(self.active)
-        request.seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
-        request.generator = make_generator(params.seed, self.device)
-        request.logprobs = None if logprobs is None else []
-        self.target.reset(request.slot)
+        row = BatchRequest(resolved, FixedK(k), stop, resolved.new_result(), slot=len(self.active))
+        prompt = resolved.prompt_ids
+        row.seq = TokenSequence(prompt, len(prompt) + resolved.max_new_tokens + 1, self.device)
+        row.generator = make_generator(resolved.params.seed, self.device)
+        row.logprobs = None if resolved.top_logprobs is None else []
+        self.target.reset(row.slot)
         if self.drafter is not None:
-            self.drafter.start(request.slot, request.seq, params, request.generator)
-        self.active.append(request)
-        return request
+            self.drafter.start(row.slot, row.seq, resolved.params, row.generator)
+        self.active.append(row)
+        return row
+
+    def resolve(self, request: Request) -> Resolved:
+        """Check a request against the pair (ValueError with a one-line reason) and resolve it."""
+        return resolve(request, max_length=self.max_length, vocab_size=self.target.vocab_size,
+                       eos_ids=self.eos_token_ids, default_k=self.num_draft_tokens)
 
     def cancel(self, request: BatchRequest) -> None:
         """Take a request out of the batch now (between rounds); its result keeps what was committed."""
@@ -184,9 +174,10 @@ class BatchGenerator:
             row.result.stats.target_seconds += t_score - t_draft
         out = []
         for row, plan, draft, row_logits in zip(ready, plans, drafts, logits):
-            n, nxt = verify(row.seq, draft, row_logits, row.params, row.generator)
-            committed, accepted = commit(row.seq, draft, n, nxt, row_logits, row.params, row.logprobs,
-                                         row.top_logprobs or 0)
+            params = row.request.params
+            n, nxt = verify(row.seq, draft, row_logits, params, row.generator)
+            committed, accepted = commit(row.seq, draft, n, nxt, row_logits, params, row.logprobs,
+                                         row.request.top_logprobs or 0)
             self.target.rollback(row.slot, len(row.seq) - 1)
             drafted = draft.tokens.numel()
             if self.drafter is not None and plan.k > 0:
@@ -223,7 +214,7 @@ class BatchGenerator:
 
     def _view(self, row: BatchRequest) -> RoundView:
         source = Source.NONE if self.drafter is None else self.drafter.source(row.slot, row.seq)
-        return RoundView(row.seq, row.max_new_tokens - len(row.seq.generated) - 1, source, 0, lambda: None)
+        return RoundView(row.seq, row.request.max_new_tokens - len(row.seq.generated) - 1, source, 0, lambda: None)
 
     def _score(self, ready: list[BatchRequest], drafts: list[Draft],
                partial: dict[BatchRequest, int]) -> list[torch.Tensor]:
@@ -250,13 +241,13 @@ class BatchGenerator:
         """Stats, stops and the end of a row's generation after its round; the tokens to hand out."""
         stats, result, seq = row.result.stats, row.result, row.seq
         stats.add_round(report)
-        emitted, keep = cut_at_stop(seq, committed, row.stop, row.stop_ids)
+        emitted, keep = cut_at_stop(seq, committed, row.stop, row.request.stop_ids)
         if keep is not None:
             stats.cut_round(report.drafted, report.accepted, len(emitted))
             self.target.rollback(row.slot, min(self.target.lengths[row.slot], len(seq) - 1))
             result.finish_reason = "stop"
             row.done = True
-        elif len(seq.generated) >= row.max_new_tokens:
+        elif len(seq.generated) >= row.request.max_new_tokens:
             result.finish_reason = "length"
             row.done = True
         result.token_ids = seq.generated
@@ -266,21 +257,28 @@ class BatchGenerator:
             stats.first_token_seconds = stats.seconds
         return Committed(emitted, min(report.accepted, len(emitted))) if emitted else None
 
-    def run(self, requests: list[dict]) -> list[GenerationResult]:
-        """Generate every request (keyword arguments of `add`), at most max_batch at a time, admitting the
-        next as soon as a slot frees; results in the order of `requests`."""
+    def run(self, requests: Sequence[Request], stops: Sequence[StopFn | None] = (),
+            deliver: Callable[[int, Committed], object] | None = None) -> list[GenerationResult]:
+        """Generate every request (`stops[i]`: the test for request i's text stops), at most max_batch at a
+        time, admitting the next as soon as a slot frees; `deliver(i, tokens)` gets request i's newly committed
+        tokens after each round. Every request is checked before any is generated (ValueError); results in the
+        order of `requests`."""
+        for request in requests:
+            self.resolve(request)
         waiting = list(enumerate(requests))
-        results: list[GenerationResult | None] = [None] * len(requests)
-        admitted: dict[int, BatchRequest] = {}
+        index_of: dict[BatchRequest, int] = {}
         try:
             while waiting or self.active:
                 while waiting and self.free_slots:
-                    index, kwargs = waiting.pop(0)
-                    admitted[index] = self.add(**kwargs)
-                self.step()
-            for index, request in admitted.items():
-                results[index] = request.result
+                    index, request = waiting.pop(0)
+                    index_of[self.add(request, stop=stops[index] if stops else None)] = index
+                for row, chunk in self.step():
+                    if deliver is not None:
+                        deliver(index_of[row], chunk)
         finally:
-            for request in list(self.active):
-                self.cancel(request)
-        return results  # type: ignore[return-value]
+            for row in list(self.active):
+                self.cancel(row)
+        results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
+        for row, index in index_of.items():
+            results[index] = row.result
+        return results

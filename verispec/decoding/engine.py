@@ -21,8 +21,7 @@ The engine knows token ids only. Text-level stops come in as a callback from the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -34,36 +33,11 @@ from verispec.core.sequence import TokenSequence
 from verispec.core.timing import Clock, sync
 from verispec.core.tree import TokenTree, verify_tree
 from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView
+from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.decoding.stats import SpecStats
 from verispec.names.drafters import Source
 from verispec.names.k import DEFAULT_K, check_k
 from verispec.proposers.base import Proposer
-
-# stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
-StopFn = Callable[[list[int]], "int | None"]
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # generated ids only (an EOS that ended generation included)
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    stats: SpecStats = field(default_factory=SpecStats)
-    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
-
-
-class Committed(list):
-    """One round's newly committed token ids, with their provenance: the first `accepted` were drafted and
-    accepted by the target; the rest (one, or none when a stop cut the round) the target produced itself
-    (a recovered token after a rejection, or the bonus token after a fully accepted draft)."""
-
-    def __init__(self, tokens: list[int], accepted: int) -> None:
-        super().__init__(tokens)
-        self.accepted = accepted
-
-    @property
-    def target(self) -> int:
-        """How many of these tokens the target produced."""
-        return len(self) - self.accepted
 
 
 class Generation:
@@ -209,13 +183,12 @@ class SpeculativeGenerator:
 
     # -- the loop ----------------------------------------------------------------------------------
 
-    def _rounds(
-        self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, policy: KPolicy,
-        stop: StopFn | None, result: GenerationResult, stop_ids: frozenset[int], top_logprobs: int | None,
-    ) -> Iterator[Committed]:
+    def _rounds(self, request: Resolved, policy: KPolicy, stop: StopFn | None,
+                result: GenerationResult) -> Iterator[Committed]:
         """Prefill, then rounds until max_new_tokens or a stop; yields each round's committed tokens."""
         stats, t_start = result.stats, time.perf_counter()
-        max_new_tokens = min(max_new_tokens, self.target.max_length - len(prompt_ids))
+        prompt_ids, params, max_new_tokens = request.prompt_ids, request.params, request.max_new_tokens
+        stop_ids, top_logprobs = request.stop_ids, request.top_logprobs
         seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
         gen = make_generator(params.seed, self.device)
         head, fed = self._prefill(seq)
@@ -270,51 +243,22 @@ class SpeculativeGenerator:
         stats.prefill_seconds += seconds
         return seconds if fed else None
 
-    def stream(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams = SamplingParams(),
-        max_new_tokens: int = 128,
-        num_draft_tokens: int | str | None = None,
-        stop: StopFn | None = None,
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
-        logprobs: int | None = None,
-    ) -> Generation:
-        """Generate round by round. `stop_token_ids` end generation like EOS does; `ignore_eos`: EOS does
-        not; params.min_tokens masks whichever ids end it. `logprobs` n >= 0: result.logprobs holds each
-        token's logprob and the n most likely alternatives under the target's processed distribution."""
-        prompt_ids, params, k, stop_ids, result = self.prepare(prompt_ids, params, max_new_tokens, num_draft_tokens,
-                                                               stop_token_ids, ignore_eos, logprobs)
-        policy = self.k_policy if k == "auto" else FixedK(k)
-        rounds = self._rounds(prompt_ids, params, max_new_tokens, policy, stop, result, stop_ids, logprobs)
-        return Generation(self._guarded(rounds), result)
+    def stream(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
+               stop: StopFn | None = None, **fields) -> Generation:
+        """Generate round by round: a Request, or prompt ids with params and Request's other fields as
+        keywords. `stop`: the test for the request's text stops, on token ids (the engine knows no text)."""
+        resolved = self.resolve(as_request(request, params, **fields))
+        result = resolved.new_result()
+        policy = self.k_policy if resolved.k == "auto" else FixedK(resolved.k)
+        return Generation(self._guarded(self._rounds(resolved, policy, stop, result)), result)
 
-    def prepare(
-        self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, num_draft_tokens: int | str | None,
-        stop_token_ids: Iterable[int], ignore_eos: bool, logprobs: int | None,
-    ) -> tuple[list[int], SamplingParams, int | str, frozenset[int], GenerationResult]:
-        """Check a request (ValueError with a one-line reason) and resolve it: (prompt ids, params with
-        min_tokens' masked ids, k, the ids that end generation, an empty result)."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if len(prompt_ids) >= self.target.max_length:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.target.max_length}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.target.vocab_size:
-            raise ValueError(f"a prompt token id is out of range for the vocabulary of {self.target.vocab_size}")
-        if logprobs is not None and logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
-        k = self.num_draft_tokens if num_draft_tokens is None else check_k(num_draft_tokens)
-        if k == "auto":
+    def resolve(self, request: Request) -> Resolved:
+        """Check a request against the target (ValueError with a one-line reason) and resolve it."""
+        resolved = resolve(request, max_length=self.target.max_length, vocab_size=self.target.vocab_size,
+                           eos_ids=self.eos_token_ids, default_k=self.num_draft_tokens)
+        if resolved.k == "auto":
             self._check_auto()
-        result = GenerationResult(token_ids=[], finish_reason="length")
-        result.stats.prompt_tokens = len(prompt_ids)
-        stop_ids = frozenset(int(t) for t in stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
-        if params.min_tokens:  # min_tokens masks every id that would end generation here
-            params = replace(params, stop_ids=tuple(sorted(stop_ids | set(params.stop_ids))))
-        return list(prompt_ids), params, k, stop_ids, result
+        return resolved
 
     def _guarded(self, rounds: Iterator[Committed]) -> Iterator[Committed]:
         """An exception inside a round (e.g. KeyboardInterrupt mid-forward) may leave a cache half
@@ -335,8 +279,10 @@ class SpeculativeGenerator:
         if self.proposer is not None:
             self.proposer.reset()
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs) -> GenerationResult:
-        generation = self.stream(prompt_ids, params, **kwargs)
+    def generate(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
+                 stop: StopFn | None = None, **fields) -> GenerationResult:
+        """Generate to the end (the arguments of `stream`)."""
+        generation = self.stream(request, params, stop=stop, **fields)
         for _ in generation:
             pass
         return generation.result

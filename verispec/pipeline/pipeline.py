@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from verispec.backends.base import Model
+from verispec.core.rows import TokenLogprob
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.engine import Generation, SpeculativeGenerator
+from verispec.decoding.request import Committed, Request
 from verispec.decoding.stats import SpecStats
 from verispec.names.errors import SpecError
 from verispec.pipeline.provenance import Piece, ProvenanceText
@@ -33,68 +35,92 @@ Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int] | torch.Tensor
 class Completion:
     """One generation's outcome: the text (cut before a stop string; special tokens skipped), the generated
     token ids (an EOS that ended generation included), why it ended ("stop": EOS or a stop string;
-    "length": max_new_tokens or the context), and its speculation statistics."""
+    "length": max_new_tokens or the context), its speculation statistics and, where asked for, each token's
+    logprob and its most likely alternatives."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class TextStream:
     """Iterate to get text pieces as rounds commit them, or iterate `pieces()` to get them as `Piece`s, which
     also say how many of their tokens were drafted-and-accepted and how many the target produced (and the
     text per token); the piece counts over a stream add up to the result's token count and accepted count.
-    `result` holds the Completion so far (final once iteration ended). Closing the stream early (a client
-    went away) leaves the pipeline consistent. A transformers streamer, when given, gets the prompt ids first
-    (as transformers' generate does: a streamer made with skip_prompt=True skips them), then each round's
-    committed ids, and `end()` when generation ends, also when it ends by an error or an early close."""
+    `rounds()` gives each round's committed tokens with the piece they completed. `result` holds the
+    Completion so far (final once iteration ended); `finished` says whether generation ran to its end.
+    Closing the stream early (a client went away) leaves the pipeline consistent. A transformers streamer,
+    when given, gets the prompt ids first (as transformers' generate does: a streamer made with
+    skip_prompt=True skips them), then each round's committed ids, and `end()` when generation ends, also when
+    it ends by an error or an early close."""
 
-    def __init__(self, generation: Generation, text: ProvenanceText, prompt_ids: list[int], streamer=None) -> None:
+    def __init__(self, generation: Generation, text: ProvenanceText, prompt_ids: Sequence[int], streamer=None) -> None:
         self._generation, self._text, self._streamer = generation, text, streamer
-        self._prompt_ids = prompt_ids
-        self._pieces = self._run()
-        self._texts = (piece.text for piece in self._pieces if piece.text)
+        self._prompt_ids = list(prompt_ids)
+        self._with_text = True
+        self._events: Iterator[tuple[Committed, Piece | None]] | None = None
+        self._texts: Iterator[str] | None = None
+        self.finished = False
 
-    def _run(self) -> Iterator[Piece]:
-        streamer, text = self._streamer, self._text
+    def _run(self) -> Iterator[tuple[Committed, Piece | None]]:
+        streamer, text, with_text = self._streamer, self._text, self._with_text
         try:
             if streamer is not None:
                 streamer.put(torch.tensor([self._prompt_ids]))  # [1, n], as transformers' generate puts it
             for chunk in self._generation:
                 if streamer is not None:
                     streamer.put(torch.tensor(chunk))  # [m] newly committed ids
-                piece = text.push(chunk)
-                if piece is not None:
-                    yield piece
-            rest = text.finish()
+                yield chunk, text.push(chunk) if with_text else None
+            self.finished = True
+            rest = text.finish() if with_text else None
             if rest is not None:
-                yield rest
+                yield Committed([], 0), rest
         finally:
             self._generation.close()
-            text.finish()
+            if with_text:
+                text.finish()
             if streamer is not None:
                 streamer.end()
 
-    def __iter__(self) -> Iterator[str]:
-        return self._texts
+    def _started(self) -> Iterator[tuple[Committed, Piece | None]]:
+        if self._events is None:
+            self._events = self._run()
+        return self._events
 
-    def __next__(self) -> str:
-        return next(self._texts)
+    def rounds(self, text: bool = True) -> Iterator[tuple[Committed, Piece | None]]:
+        """Each round's committed tokens and the text piece they completed (None: none yet), then, when text
+        was held back to the end, (no tokens, the rest). `text=False`: no text at all (no detokenising: for
+        timing the decoding alone); to be asked before the stream is iterated."""
+        if not text:
+            if self._events is not None:
+                raise RuntimeError("rounds(text=False) must come before the stream is iterated")
+            self._with_text = False
+        return self._started()
 
     def pieces(self) -> Iterator[Piece]:
         """The same stream as Pieces (text, accepted, target, spans); the last may have no text (tokens
-        whose text is empty or cut by a stop string). Iterate either this or the stream, not both."""
-        return self._pieces
+        whose text is empty or cut by a stop string). Iterate one of this, `rounds()` or the stream."""
+        return (piece for _, piece in self._started() if piece is not None)
+
+    def __iter__(self) -> Iterator[str]:
+        if self._texts is None:
+            self._texts = (piece.text for _, piece in self._started() if piece is not None and piece.text)
+        return self._texts
+
+    def __next__(self) -> str:
+        return next(iter(self))
 
     def close(self) -> None:
         """Stop generating (the committed tokens stay in `result`)."""
-        self._pieces.close()
+        self._started().close()
 
     @property
     def result(self) -> Completion:
         res = self._generation.result
-        return Completion(self._text.text, list(res.token_ids), res.finish_reason, res.stats)
+        text = self._text.text if self._with_text else ""
+        return Completion(text, list(res.token_ids), res.finish_reason, res.stats, res.logprobs)
 
 
 def _is_prompt_list(prompt: Any) -> bool:
@@ -247,7 +273,7 @@ class Pipeline:
             return items
         raise TypeError("a prompt is text, a list of chat messages ({'role', 'content'} dicts) or token ids")
 
-    def stream(
+    def request(
         self,
         prompt: Prompt,
         *,
@@ -261,22 +287,31 @@ class Pipeline:
         seed: int | None = None,
         k: int | str | None = None,
         generation_config=None,
-        streamer=None,
-    ) -> TextStream:
-        """Generate, yielding text pieces as they are committed (see TextStream; `.pieces()` for provenance). Sampling: keywords win
-        over `generation_config` (a transformers GenerationConfig), which wins over greedy decoding and
-        max_new_tokens DEFAULT_MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before
-        them). `k`: this generation's draft tokens per round (None: the pipeline's). `streamer`: a
-        transformers TextStreamer / TextIteratorStreamer (or anything with put(ids tensor) and end())."""
+    ) -> Request:
+        """The Request for a prompt and these settings. Sampling: keywords win over `generation_config` (a
+        transformers GenerationConfig), which wins over greedy decoding and max_new_tokens
+        DEFAULT_MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before them). `k`: this
+        generation's draft tokens per round (None: the pipeline's)."""
         params, max_new = sampling_settings(generation_config, max_new_tokens=max_new_tokens, temperature=temperature,
                                             top_p=top_p, top_k=top_k, min_p=min_p,
                                             repetition_penalty=repetition_penalty, seed=seed)
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        prompt_ids = self.encode(prompt)
-        text = ProvenanceText(self.tokenizer, stops)
-        generation = self.generator.stream(prompt_ids, params, max_new_tokens=max_new, num_draft_tokens=k,
-                                           stop=text.assembler.stop_index if stops else None)
-        return TextStream(generation, text, prompt_ids, streamer)
+        return Request(prompt_ids=self.encode(prompt), params=params, max_new_tokens=max_new, num_draft_tokens=k,
+                       stop=stop)
+
+    def stream(self, prompt: Prompt | Request, *, streamer=None, **settings: Any) -> TextStream:
+        """Generate, yielding text pieces as they are committed (see TextStream; `.pieces()` for provenance):
+        a Request, or a prompt and the settings of `request`. The request is checked here (ValueError), before
+        the first round. `streamer`: a transformers TextStreamer / TextIteratorStreamer (or anything with
+        put(ids tensor) and end())."""
+        if isinstance(prompt, Request):
+            if settings:
+                raise TypeError("a Request comes alone: its settings are set on it")
+            request = prompt
+        else:
+            request = self.request(prompt, **settings)
+        text = ProvenanceText(self.tokenizer, request.stop)
+        generation = self.generator.stream(request, stop=text.assembler.stop_index if request.stop else None)
+        return TextStream(generation, text, request.prompt_ids, streamer)
 
     def generate(self, prompt: Prompt | list[Prompt], **kwargs: Any) -> Completion | list[Completion]:
         """Generate to the end and return the Completion; takes the same arguments as `stream`. A list of
@@ -309,31 +344,15 @@ class Pipeline:
         if self.can_batch() is not None:
             return [self.generate(p, stop=stop, k=k, generation_config=generation_config, **settings)
                     for p in prompts]
-        params, max_new = sampling_settings(generation_config, **settings)
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        texts = [ProvenanceText(self.tokenizer, stops) for _ in prompts]
-        requests = [dict(prompt_ids=self.encode(p), params=params, max_new_tokens=max_new, num_draft_tokens=k,
-                         stop=text.assembler.stop_index if stops else None) for p, text in zip(prompts, texts)]
-        for request in requests:  # a bad prompt fails before any is generated
-            self.generator.prepare(request["prompt_ids"], params, max_new, k, (), False, None)
-        batch = self.batch(min(max_batch, len(prompts)) or 1)
-        pending, admitted = list(enumerate(requests)), {}
-        try:
-            while pending or batch.active:
-                while pending and batch.free_slots:
-                    index, request = pending.pop(0)
-                    admitted[batch.add(**request)] = index
-                for request, chunk in batch.step():
-                    texts[admitted[request]].push(chunk)
-        finally:
-            for request in list(batch.active):
-                batch.cancel(request)
-        out = [None] * len(prompts)
-        for request, index in admitted.items():
-            texts[index].finish()
-            res = request.result
-            out[index] = Completion(texts[index].text, list(res.token_ids), res.finish_reason, res.stats)
-        return out
+        requests = [self.request(p, stop=stop, k=k, generation_config=generation_config, **settings)
+                    for p in prompts]
+        texts = [ProvenanceText(self.tokenizer, request.stop) for request in requests]
+        results = self.batch(min(max_batch, len(prompts)) or 1).run(
+            requests, [text.assembler.stop_index if request.stop else None for request, text in zip(requests, texts)],
+            lambda index, chunk: texts[index].push(chunk))
+        for text in texts:
+            text.finish()
+        return [Completion(text.text, list(res.token_ids), res.finish_reason, res.stats, res.logprobs)
+                for text, res in zip(texts, results)]
 
-
-__all__ = ["Completion", "DraftView", "Piece", "Pipeline", "Prompt", "TargetView", "TextStream", "sampling_settings"]
+__all__ = ["Completion", "DraftView", "Piece", "Pipeline", "Prompt", "Request", "TargetView", "TextStream", "sampling_settings"]

@@ -18,6 +18,7 @@ from verispec.assembly.store import ModelStore
 from verispec.backends import HFModel
 from verispec.backends.quant import QUANT_MODES
 from verispec.core.sampling import SamplingParams
+from verispec.decoding.request import Request
 from verispec.names.drafters import DRAFT_FORWARDS
 from verispec.names.errors import SpecError
 from verispec.pipeline.pipeline import Pipeline
@@ -205,12 +206,12 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
     pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
     if warm is not None:  # the earlier turn answered first, untimed: its caches and drafter state, as in a chat
         pipe.generator.generate(warm, params, max_new_tokens=max_new, num_draft_tokens=k)
-    generation = pipe.generator.stream(ids, params, max_new_tokens=max_new, num_draft_tokens=k)
+    stream = pipe.stream(Request(prompt_ids=ids, params=params, max_new_tokens=max_new, num_draft_tokens=k))
     first_tokens, timeline, start = 0, [], time.perf_counter()
-    for committed in generation:  # a round commits one token or several: count those that came first
+    for committed, _ in stream.rounds(text=False):  # decoding alone: a round commits one token or several
         first_tokens = first_tokens or len(committed)
         timeline.append((time.perf_counter() - start, (timeline[-1][1] if timeline else 0) + len(committed)))
-    result = generation.result
+    result = stream.result
     s = result.stats
     return dict(
         new_tokens=s.new_tokens, seconds=s.seconds, token_ids=result.token_ids, drafted=s.drafted,

@@ -1,5 +1,5 @@
 """The FastAPI application: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, and a chat
-page at / (verispec/server/static: one HTML file with its script and style, nothing fetched from elsewhere).
+page at / (verispec/apps/server/static: one HTML file with its script and style, nothing fetched from elsewhere).
 
 Streamed chunks that carry generated tokens (finish_reason null) carry an extension field with their tokens'
 provenance (verispec.pipeline.provenance):
@@ -50,8 +50,8 @@ from verispec.apps.server.protocol import (
 )
 from verispec.apps.server.worker import Job, QueueFull, ShuttingDown, Worker
 from verispec.core.sampling import SamplingParams
-from verispec.decoding.engine import GenerationResult
-from verispec.pipeline.pipeline import Pipeline
+from verispec.decoding.request import Request as GenerationRequest
+from verispec.pipeline.pipeline import Completion, Pipeline
 from verispec.pipeline.provenance import Piece
 from verispec.pipeline.text import encode_messages
 
@@ -230,8 +230,10 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
         k = 0 if req.drafter == "none" else req.num_draft_tokens
         if k is None:
             k = pipeline.generator.num_draft_tokens if speculative else 0
-        return Job(prompt_ids, _params(req), max_tokens, k, req.stop_list(), asyncio.get_running_loop(),
-                   stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
+        request = GenerationRequest(prompt_ids=prompt_ids, params=_params(req), max_new_tokens=max_tokens,
+                                    num_draft_tokens=k, stop=tuple(req.stop_list()), stop_token_ids=stop_ids,
+                                    ignore_eos=req.ignore_eos, logprobs=logprobs)
+        return Job(request, asyncio.get_running_loop())
 
     def _submit(job: Job) -> None:
         try:
@@ -250,11 +252,11 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
         worker.cancel(job)
         job.events.put_nowait(("cancelled", None))
 
-    def _usage(job: Job, result: GenerationResult) -> dict:
-        n_prompt, n_new = len(job.prompt_ids), len(result.token_ids)
+    def _usage(job: Job, result: Completion) -> dict:
+        n_prompt, n_new = len(job.request.prompt_ids), len(result.token_ids)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
 
-    def _spec(result: GenerationResult) -> dict:
+    def _spec(result: Completion) -> dict:
         s = result.stats
         return {"acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
                 "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
@@ -263,7 +265,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     def _token_text(token: int) -> str:
         return pipeline.tokenizer.decode([token])
 
-    def _logprobs(result: GenerationResult, chat: bool) -> dict | None:
+    def _logprobs(result: Completion, chat: bool) -> dict | None:
         """OpenAI's logprobs object from the target's processed distribution at each generated position."""
         if result.logprobs is None:
             return None
@@ -314,7 +316,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
             raise APIError(503, payload, code="server_unavailable", type_="server_error")
         if kind == "error":
             raise APIError(500, payload, type_="server_error")
-        result: GenerationResult = payload
+        result: Completion = payload
         choice = ({"index": 0, "message": {"role": "assistant", "content": job.text}} if chat
                   else {"index": 0, "text": job.text})
         choice["logprobs"] = _logprobs(result, chat)
@@ -356,7 +358,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
                     yield f"data: {json.dumps(error_body(payload, 'server_error'))}\n\n"
                     break
                 else:
-                    result: GenerationResult = payload
+                    result: Completion = payload
                     final = json.loads(chunk(None, result.finish_reason)[len("data: "):])
                     final["verispec"] = _spec(result)
                     yield f"data: {json.dumps(final)}\n\n"

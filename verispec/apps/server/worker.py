@@ -20,10 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from verispec.core.sampling import SamplingParams
-from verispec.decoding.engine import GenerationResult
-from verispec.pipeline.pipeline import Pipeline
-from verispec.pipeline.provenance import ProvenanceText
+from verispec.decoding.request import Committed, Request
+from verispec.pipeline.pipeline import Completion, Pipeline
+from verispec.pipeline.provenance import Piece, ProvenanceText
 
 EMPTY = object()  # JobQueue.get(block=False) with nothing waiting
 
@@ -38,18 +37,13 @@ class ShuttingDown(Exception):
 
 @dataclass
 class Job:
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    num_draft_tokens: int
-    stop: list[str]
+    """A client's request and what the worker answers it with: events as it runs, then `result` (and its text)."""
+
+    request: Request
     loop: asyncio.AbstractEventLoop
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob and the n most likely
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    result: GenerationResult | None = None
+    result: Completion | None = None
     text: str = ""
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -113,12 +107,13 @@ class JobQueue:
 
 @dataclass
 class _Running:
-    """A job that is generating: its text so far and when its first token came."""
+    """A job that is generating: when it started and its first token came; in a batch, its text so far (alone,
+    the pipeline's stream holds it)."""
 
     job: Job
-    text: ProvenanceText
     started: float
     first: float | None = None
+    text: ProvenanceText | None = None
 
 
 class Worker:
@@ -214,31 +209,29 @@ class Worker:
             return None
         started = time.perf_counter()
         self.metrics.queue_time.observe(started - job.submitted)
-        return _Running(job, ProvenanceText(self.pipeline.tokenizer, job.stop), started)
+        return _Running(job, started)
 
-    def _stop_fn(self, run: _Running):
-        return run.text.assembler.stop_index if run.job.stop else None
-
-    def _deliver(self, run: _Running, chunk) -> bool:
-        """Hand a round's committed tokens to the job's client; False when the client had already left."""
+    def _deliver(self, run: _Running, chunk: Committed, piece: Piece | None) -> bool:
+        """Hand a round's committed tokens (and the text piece they completed) to the job's client; False when
+        the client had already left."""
         job, metrics = run.job, self.metrics
         metrics.tokens.inc(len(chunk))
         if job.cancelled.is_set():  # the round ran after the client left
             metrics.tokens_after_cancel.inc(len(chunk))
             return False
-        if run.first is None:
-            run.first = time.perf_counter()
-            metrics.time_to_first_token.observe(run.first - job.submitted)
-        metrics.acceptance_length.observe(len(chunk))
-        piece = run.text.push(chunk)
+        if chunk:
+            if run.first is None:
+                run.first = time.perf_counter()
+                metrics.time_to_first_token.observe(run.first - job.submitted)
+            metrics.acceptance_length.observe(len(chunk))
         if piece is not None:
             job.emit("delta", piece)
         return True
 
-    def _end(self, run: _Running, result: GenerationResult) -> None:
+    def _end(self, run: _Running, result: Completion) -> None:
         """The job's generation ended (finished, or stopped because its client left): answer it."""
-        job, metrics, text = run.job, self.metrics, run.text
-        job.result, job.text = result, text.text
+        job, metrics = run.job, self.metrics
+        job.result, job.text = result, result.text
         stats = result.stats
         metrics.drafted.inc(stats.drafted)
         metrics.accepted.inc(stats.accepted)
@@ -246,10 +239,6 @@ class Worker:
             metrics.cancelled.inc()
             job.emit("cancelled")
             return
-        rest = text.finish()
-        if rest is not None:
-            job.emit("delta", rest)
-        job.text = text.text
         end = time.perf_counter()
         if run.first is not None and stats.new_tokens > 1:  # decoding only: the prefill is in time to first token
             metrics.time_per_token.observe((end - run.first) / (stats.new_tokens - 1))
@@ -260,16 +249,14 @@ class Worker:
         run = self._begin(job)
         if run is None:
             return
-        generation = self.pipeline.generator.stream(
-            job.prompt_ids, job.params, job.max_tokens, job.num_draft_tokens, stop=self._stop_fn(run),
-            stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos, logprobs=job.logprobs)
+        stream = self.pipeline.stream(job.request)
         try:
-            for chunk in generation:
-                if not self._deliver(run, chunk):
+            for chunk, piece in stream.rounds():
+                if not self._deliver(run, chunk, piece):
                     break
         finally:
-            generation.close()
-        self._end(run, generation.result)
+            stream.close()
+        self._end(run, stream.result)
 
     # -- continuous batching ---------------------------------------------------------------------------
 
@@ -313,7 +300,7 @@ class Worker:
             for request, chunk in chunks:
                 run = runs[request]
                 try:
-                    delivered = self._deliver(run, chunk)
+                    delivered = self._deliver(run, chunk, run.text.push(chunk))
                 except Exception as exc:  # this job's text failed: it alone ends
                     batch.cancel(request)
                     runs.pop(request)
@@ -334,10 +321,9 @@ class Worker:
         run = self._begin(job)
         if run is None:
             return
+        run.text = ProvenanceText(self.pipeline.tokenizer, job.request.stop)
         try:
-            request = batch.add(job.prompt_ids, job.params, job.max_tokens, job.num_draft_tokens,
-                                stop=self._stop_fn(run), stop_token_ids=job.stop_token_ids,
-                                ignore_eos=job.ignore_eos, logprobs=job.logprobs)
+            request = batch.add(job.request, stop=run.text.assembler.stop_index if job.request.stop else None)
         except Exception as exc:
             job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
             return
@@ -352,6 +338,10 @@ class Worker:
         runs.pop(request)
         self._set_running(runs)
         try:
-            self._end(run, request.result)
+            rest = run.text.finish()
+            if rest is not None and not run.job.cancelled.is_set():
+                run.job.emit("delta", rest)
+            res = request.result
+            self._end(run, Completion(run.text.text, list(res.token_ids), res.finish_reason, res.stats, res.logprobs))
         except Exception as exc:
             run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")

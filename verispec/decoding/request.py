@@ -1,0 +1,120 @@
+"""A generation request, and what it resolves to before the first round.
+
+`Request` is what a caller asks for, in one frozen value that travels from the front end (server, CLI, chat,
+pipeline) to the engine or the batch; `resolve` checks it once (ValueError with a one-line reason) and fills
+in what the model decides (the context's limit, EOS, the default k), so a request means the same alone and in
+a batch. The engine knows token ids only: text stop strings ride in the request for the text layer
+(verispec.pipeline), which hands the engine a `StopFn` for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from verispec.core.rows import TokenLogprob
+from verispec.core.sampling import SamplingParams
+from verispec.decoding.stats import SpecStats
+from verispec.names.k import check_k
+
+# stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
+StopFn = Callable[[list[int]], "int | None"]
+
+DEFAULT_MAX_NEW_TOKENS = 128  # the engine's; the pipeline's own default is verispec.pipeline's
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One generation. `num_draft_tokens`: this generation's k (None: the generator's); `stop`: text stop
+    strings (the text layer applies them); `stop_token_ids` end generation like EOS does; `ignore_eos`: EOS
+    does not; params.min_tokens masks whichever ids end it; `logprobs` n >= 0: each token's logprob and the
+    n most likely alternatives under the target's processed distribution (None: not computed)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    num_draft_tokens: int | str | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_ids", "stop_token_ids"):
+            object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
+        stop = self.stop
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))
+
+
+def as_request(request: Request | Iterable[int], params: SamplingParams | None = None, **fields) -> Request:
+    """`request` itself, or a Request of these prompt ids, params and fields (Request's keywords)."""
+    if isinstance(request, Request):
+        if params is not None or fields:
+            raise TypeError("a Request comes alone: its fields are set on it")
+        return request
+    return Request(prompt_ids=tuple(request), params=SamplingParams() if params is None else params, **fields)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A checked request as the decoding loop runs it: the prompt, the params with min_tokens' masked ids,
+    max_new_tokens within the context, k, the ids that end generation and the logprobs asked for."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    k: int | str
+    stop_ids: frozenset[int]
+    top_logprobs: int | None
+
+    def new_result(self) -> GenerationResult:
+        result = GenerationResult(token_ids=[], finish_reason="length")
+        result.stats.prompt_tokens = len(self.prompt_ids)
+        return result
+
+
+def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: frozenset[int],
+            default_k: int | str) -> Resolved:
+    """Check `request` against a model of `max_length` tokens of context and `vocab_size` ids (ValueError with
+    a one-line reason) and resolve it: k None is `default_k`, EOS ends generation unless ignored."""
+    prompt = list(request.prompt_ids)
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    if len(prompt) >= max_length:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {max_length}")
+    if request.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"a prompt token id is out of range for the vocabulary of {vocab_size}")
+    if request.logprobs is not None and request.logprobs < 0:
+        raise ValueError(f"logprobs must be >= 0, got {request.logprobs}")
+    k = default_k if request.num_draft_tokens is None else check_k(request.num_draft_tokens)
+    stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else eos_ids)
+    params = request.params
+    if params.min_tokens:  # min_tokens masks every id that would end generation here
+        params = replace(params, stop_ids=tuple(sorted(stop_ids | set(params.stop_ids))))
+    max_new_tokens = min(request.max_new_tokens, max_length - len(prompt))
+    return Resolved(prompt, params, max_new_tokens, k, stop_ids, request.logprobs)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only (an EOS that ended generation included)
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
+
+
+class Committed(list):
+    """One round's newly committed token ids, with their provenance: the first `accepted` were drafted and
+    accepted by the target; the rest (one, or none when a stop cut the round) the target produced itself
+    (a recovered token after a rejection, or the bonus token after a fully accepted draft)."""
+
+    def __init__(self, tokens: list[int], accepted: int) -> None:
+        super().__init__(tokens)
+        self.accepted = accepted
+
+    @property
+    def target(self) -> int:
+        """How many of these tokens the target produced."""
+        return len(self) - self.accepted
