@@ -129,7 +129,7 @@ def test_generation_config_honoured_and_keywords_win(pipe, monkeypatch):
     assert pipe.generate(PROMPT, generation_config=GenerationConfig(max_new_tokens=12)).token_ids == greedy.token_ids
     # explicit keywords win over the config
     assert pipe.generate(PROMPT, generation_config=sampled, temperature=0.0).token_ids == greedy.token_ids
-    assert len(pipe.generate(PROMPT, generation_config=sampled, max_new_tokens=5).token_ids) == 5
+    assert len(pipe.generate(PROMPT, generation_config=sampled, max_new_tokens=5, seed=3).token_ids) == 5
     seen = []
     real = pipe.generator.stream
     monkeypatch.setattr(pipe.generator, "stream", lambda request, **kw: seen.append(request.params) or real(request, **kw))
