@@ -363,7 +363,8 @@ def test_a_job_submitted_as_the_worker_dies_is_refused_not_stranded(monkeypatch)
     from verispec.decoding.request import Request
 
     gauge = SimpleNamespace(set=lambda value: None)
-    worker = Worker(SimpleNamespace(), max_queue=4, metrics=SimpleNamespace(waiting=gauge, running=gauge))
+    pipeline = SimpleNamespace(slots=lambda max_batch: SimpleNamespace(size=1, free=1))
+    worker = Worker(pipeline, max_queue=4, metrics=SimpleNamespace(waiting=gauge, running=gauge))
     worker.jobs.put(None)  # the thread leaves at once (as if it died), answering what waits
     worker.start()
     worker._thread.join(10)
@@ -380,23 +381,24 @@ def test_a_job_submitted_as_the_worker_dies_is_refused_not_stranded(monkeypatch)
         loop.close()
 
 
-def test_a_failed_batch_round_answers_its_jobs_and_serving_goes_on(pair_dirs, monkeypatch):
-    """A batched round that raises: its job gets an error event (no hang), the batch starts afresh, /health
-    stays ok and the next request is answered in full."""
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_failed_round_answers_its_jobs_and_serving_goes_on(pair_dirs, monkeypatch, max_batch):
+    """A round that raises (alone or batched): its job gets an error event (no hang), the slots start afresh,
+    /health stays ok and the next request is answered in full."""
     import asyncio
 
-    _, app = _in_process_app(pair_dirs[0], max_batch=2)
-    batch = app.state.worker.batch
-    assert batch is not None and app.state.worker.max_batch == 2  # the batched loop serves, not the lone one
-    real, calls = batch.step, []
+    _, app = _in_process_app(pair_dirs[0], max_batch=max_batch)
+    slots = app.state.worker.slots
+    assert slots.size == max_batch
+    real, calls = slots.step, []
 
-    def failing():  # this server's batch only: no other generator in the process can take the failing call
+    def failing():  # this server's slots only: no other generator in the process can take the failing call
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("boom")
         return real()
 
-    monkeypatch.setattr(batch, "step", failing)
+    monkeypatch.setattr(slots, "step", failing)
 
     async def scenario():
         async with app.router.lifespan_context(app), _in_process_client(app) as client:

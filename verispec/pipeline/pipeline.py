@@ -9,40 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from verispec.backends.base import Model
-from verispec.core.rows import TokenLogprob
 from verispec.core.sampling import SamplingParams
+from verispec.decoding.batch import BatchGenerator
 from verispec.decoding.engine import Generation, SpeculativeGenerator
 from verispec.decoding.request import Committed, Request
-from verispec.decoding.stats import SpecStats
 from verispec.names.errors import SpecError
+from verispec.pipeline.completion import Completion
 from verispec.pipeline.provenance import Piece, ProvenanceText
+from verispec.pipeline.slots import BatchSlots, LoneSlots, Slots
 from verispec.pipeline.text import encode_messages
-
-if TYPE_CHECKING:
-    from verispec.decoding.batch import BatchGenerator
 
 DEFAULT_MAX_NEW_TOKENS = 256
 # prompt: text, chat messages ({"role", "content"} dicts), token ids, or a [n] / [1, n] tensor of them
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int] | torch.Tensor
-
-
-@dataclass
-class Completion:
-    """One generation's outcome: the text (cut before a stop string; special tokens skipped), the generated
-    token ids (an EOS that ended generation included), why it ended ("stop": EOS or a stop string;
-    "length": max_new_tokens or the context), its speculation statistics and, where asked for, each token's
-    logprob and its most likely alternatives."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: SpecStats = field(default_factory=SpecStats)
-    logprobs: list[TokenLogprob] | None = None
 
 
 class TextStream:
@@ -118,9 +102,7 @@ class TextStream:
 
     @property
     def result(self) -> Completion:
-        res = self._generation.result
-        text = self._text.text if self._with_text else ""
-        return Completion(text, list(res.token_ids), res.finish_reason, res.stats, res.logprobs)
+        return Completion.of(self._text.text if self._with_text else "", self._generation.result)
 
 
 def _is_prompt_list(prompt: Any) -> bool:
@@ -335,6 +317,13 @@ class Pipeline:
             raise SpecError(self.batch_reason or "this pipeline cannot batch", "max_batch", runtime=True)
         return self.make_batch(max_batch)
 
+    def slots(self, max_batch: int = 1) -> Slots:
+        """Slots for a serving loop (verispec.pipeline.slots): `max_batch` requests decoding together where the
+        pipeline can batch and more than one is asked for, else one at a time (`size` says which)."""
+        if max_batch > 1 and self.can_batch() is None:
+            return BatchSlots(self.batch(max_batch), self.tokenizer)
+        return LoneSlots(self.generator, self.tokenizer)
+
     def generate_batch(self, prompts: Sequence[Prompt], *, max_batch: int = 8, stop: Sequence[str] | str = (),
                        k: int | str | None = None, generation_config=None, **settings: Any) -> list[Completion]:
         """One Completion per prompt, at most `max_batch` sequences decoding together (continuous batching:
@@ -352,7 +341,6 @@ class Pipeline:
             lambda index, chunk: texts[index].push(chunk))
         for text in texts:
             text.finish()
-        return [Completion(text.text, list(res.token_ids), res.finish_reason, res.stats, res.logprobs)
-                for text, res in zip(texts, results)]
+        return [Completion.of(text.text, res) for text, res in zip(texts, results)]
 
 __all__ = ["Completion", "DraftView", "Piece", "Pipeline", "Prompt", "Request", "TargetView", "TextStream", "sampling_settings"]

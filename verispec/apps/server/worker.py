@@ -1,15 +1,12 @@
-"""One thread owns the model pair and runs generations from a bounded queue: one at a time, or (max_batch
-> 1, on a pipeline that can batch) continuously batched.
+"""One thread owns the model pair and runs generations from a bounded queue, in the pipeline's Slots
+(verispec.pipeline.slots): one at a time, or (max_batch > 1, on a pipeline that can batch) continuously batched.
 
 The asyncio side submits a Job and reads its events (deltas: `verispec.pipeline.provenance.Piece`s, text with its
-tokens' provenance; then done or error) from an asyncio queue fed thread-safely. A cancelled job (client
-gone, shutdown) leaves the queue at once if it is still waiting, and stops at the next round boundary if it
-is running, which leaves the engine's caches consistent. If the thread itself dies, every job it held or
-would have run gets an error event: nobody waits forever.
-
-Batched (verispec.decoding.batch): between two rounds, waiting jobs take every free slot (so a job waits at most one
-round once a slot is free), cancelled jobs leave, and then one round runs for all; a job's events are the
-same as when it runs alone.
+tokens' provenance; then done or error) from an asyncio queue fed thread-safely. One loop serves both ways: between
+two rounds, waiting jobs take every free slot (so a job waits at most one round once a slot is free) and cancelled
+jobs (client gone, shutdown) leave, which leaves the caches consistent; then one round runs for all. A cancelled
+job still waiting leaves the queue at once. A round that raises answers its jobs with an error and serving goes on;
+if the thread itself dies, every job it held or would have run gets an error event: nobody waits forever.
 """
 
 from __future__ import annotations
@@ -22,7 +19,8 @@ from dataclasses import dataclass, field
 
 from verispec.decoding.request import Committed, Request
 from verispec.pipeline.pipeline import Completion, Pipeline
-from verispec.pipeline.provenance import Piece, ProvenanceText
+from verispec.pipeline.provenance import Piece
+from verispec.pipeline.slots import Slot
 
 EMPTY = object()  # JobQueue.get(block=False) with nothing waiting
 
@@ -107,13 +105,11 @@ class JobQueue:
 
 @dataclass
 class _Running:
-    """A job that is generating: when it started and its first token came; in a batch, its text so far (alone,
-    the pipeline's stream holds it)."""
+    """A job that is generating: when it started and its first token came."""
 
     job: Job
     started: float
     first: float | None = None
-    text: ProvenanceText | None = None
 
 
 class Worker:
@@ -121,8 +117,8 @@ class Worker:
         self.pipeline = pipeline
         self.metrics = metrics
         self.jobs = JobQueue(max_queue)
-        self.batch = pipeline.batch(max_batch) if max_batch > 1 and pipeline.can_batch() is None else None
-        self.max_batch = max_batch if self.batch is not None else 1
+        self.slots = pipeline.slots(max_batch)
+        self.max_batch = self.slots.size
         self.running: list[Job] = []
         self._thread = threading.Thread(target=self._run, name="verispec-worker", daemon=True)
         self._stopping = False
@@ -175,29 +171,14 @@ class Worker:
         self.metrics.running.set(len(self.running))
 
     def _run(self) -> None:
+        runs: dict[Slot, _Running] = {}  # the jobs in the slots
         try:
-            if self.max_batch > 1:
-                self._run_batched()
-                return
-            while True:
-                job = self.jobs.get()
-                if job is None:
-                    return
-                self.running = [job]
-                self._update_gauges()
-                try:
-                    self._generate(job)
-                except Exception as exc:  # a failed request must never take the worker down
-                    job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
-                except BaseException:  # the thread dies (SystemExit, ...): its job must not wait for it
-                    job.emit("unavailable", "the model worker stopped unexpectedly")
-                    raise
-                finally:
-                    self.running = []
-                    self._update_gauges()
+            self._serve(runs)
         finally:  # also when the thread dies of a BaseException: nobody may wait for it
-            self.refuse_waiting("the server is shutting down" if self._stopping
-                                else "the model worker stopped unexpectedly")
+            message = "the server is shutting down" if self._stopping else "the model worker stopped unexpectedly"
+            for run in runs.values():
+                run.job.emit("unavailable", message)
+            self.refuse_waiting(message)
 
     # -- one job's life, alone or in a batch -----------------------------------------------------------
 
@@ -245,103 +226,78 @@ class Worker:
         metrics.e2e.observe(end - job.submitted)
         job.emit("done", result)
 
-    def _generate(self, job: Job) -> None:
-        run = self._begin(job)
-        if run is None:
-            return
-        stream = self.pipeline.stream(job.request)
-        try:
-            for chunk, piece in stream.rounds():
-                if not self._deliver(run, chunk, piece):
-                    break
-        finally:
-            stream.close()
-        self._end(run, stream.result)
+    # -- the loop ------------------------------------------------------------------------------------
 
-    # -- continuous batching ---------------------------------------------------------------------------
-
-    def _run_batched(self) -> None:
-        runs: dict[object, _Running] = {}  # BatchRequest -> its job
-        try:
-            self._batched_rounds(self.batch, runs)
-        finally:  # the thread leaves (or dies): a job it still held must not wait for it
-            message = "the server is shutting down" if self._stopping else "the model worker stopped unexpectedly"
-            for run in runs.values():
-                run.job.emit("unavailable", message)
-
-    def _batched_rounds(self, batch, runs: dict) -> None:
-        stopping = False
+    def _serve(self, runs: dict[Slot, _Running]) -> None:
+        slots, stopping = self.slots, False
         while True:
-            while batch.free_slots and not stopping:  # every free slot takes a waiting job, before the round
+            while slots.free and not stopping:  # every free slot takes a waiting job, before the round
                 job = self.jobs.get(block=not runs)
                 if job is EMPTY:
                     break
                 if job is None:
                     stopping = True
                     break
-                self._admit(batch, job, runs)
-            for request, run in list(runs.items()):
-                if run.job.cancelled.is_set():  # its client left: out of the batch before the round
-                    batch.cancel(request)
-                    self._close(request, run, runs)
+                self._admit(job, runs)
+            for slot, run in list(runs.items()):
+                if run.job.cancelled.is_set():  # its client left: out of the slots before the round
+                    slots.cancel(slot)
+                    self._close(slot, runs)
             if not runs:
                 if stopping:
                     return
                 continue
             try:
-                chunks = batch.step()
+                chunks = slots.step()
             except Exception as exc:  # the round is lost, the server is not: answer its jobs, start afresh
-                batch.abort()
+                slots.abort()
                 for run in runs.values():
                     run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
                 runs.clear()
                 self._set_running(runs)
                 continue
-            for request, chunk in chunks:
-                run = runs[request]
+            for slot, chunk in chunks:
+                run = runs[slot]
                 try:
-                    delivered = self._deliver(run, chunk, run.text.push(chunk))
+                    delivered = self._deliver(run, chunk, slot.push(chunk))
                 except Exception as exc:  # this job's text failed: it alone ends
-                    batch.cancel(request)
-                    runs.pop(request)
+                    slots.cancel(slot)
+                    runs.pop(slot)
                     self._set_running(runs)
                     run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
                     continue
                 if not delivered:
-                    batch.cancel(request)
-            for request, run in list(runs.items()):
-                if request.done:
-                    self._close(request, run, runs)
+                    slots.cancel(slot)
+            for slot in [slot for slot in runs if slot.done]:
+                self._close(slot, runs)
 
     def _set_running(self, runs: dict) -> None:
         self.running = [run.job for run in runs.values()]
         self._update_gauges()
 
-    def _admit(self, batch, job: Job, runs: dict) -> None:
+    def _admit(self, job: Job, runs: dict[Slot, _Running]) -> None:
         run = self._begin(job)
         if run is None:
             return
-        run.text = ProvenanceText(self.pipeline.tokenizer, job.request.stop)
         try:
-            request = batch.add(job.request, stop=run.text.assembler.stop_index if job.request.stop else None)
+            slot = self.slots.add(job.request)
         except Exception as exc:
             job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
             return
         except BaseException:
             job.emit("unavailable", "the model worker stopped unexpectedly")
             raise
-        runs[request] = run
+        runs[slot] = run
         self._set_running(runs)
 
-    def _close(self, request, run: _Running, runs: dict) -> None:
+    def _close(self, slot: Slot, runs: dict[Slot, _Running]) -> None:
         """The job's generation ended: out of `runs`, then answered (an answer that fails is an error event)."""
-        runs.pop(request)
+        run = runs.pop(slot)
         self._set_running(runs)
         try:
-            rest = run.text.finish()
+            rest, completion = slot.finish()
             if rest is not None and not run.job.cancelled.is_set():
                 run.job.emit("delta", rest)
-            res = request.result
-            self._end(run, Completion(run.text.text, list(res.token_ids), res.finish_reason, res.stats, res.logprobs))
+            self._end(run, completion)
         except Exception as exc:
             run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
