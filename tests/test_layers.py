@@ -88,3 +88,15 @@ def test_the_check_catches_an_upward_import(tmp_path):
     probe.write_text("def f():\n    from verispec.decoding.engine import SpeculativeGenerator\n")
     assert upward_imports(probe, "verispec.core.probe") == ["line 2: verispec.decoding.engine (decoding)"]
     assert upward_imports(probe, "verispec.apps.probe") == []
+
+
+def test_the_library_imports_without_transformers():
+    """`import verispec` and the layers below assembly load no transformers (nor llama_cpp): the command line's
+    light paths and a user of the engine alone do without it; the backends that need it import it when used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, verispec, verispec.decoding.batch, verispec.pipeline.pipeline, verispec.proposers; "
+            "print(sorted(m for m in ('transformers', 'llama_cpp') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,4 +1,15 @@
+"""Models and their KV caches. `HFModel` (transformers) is imported on first use, so that the interfaces in
+base.py, and what is built on them, load without transformers."""
+
+import importlib
+
 from verispec.backends.base import Model, SlotModel, TreeModel, common_prefix_length
-from verispec.backends.hf import HFModel
+
+
+def __getattr__(name: str):
+    if name == "HFModel":
+        return importlib.import_module("verispec.backends.hf").HFModel
+    raise AttributeError(f"module 'verispec.backends' has no attribute {name!r}")
+
 
 __all__ = ["Model", "HFModel", "SlotModel", "TreeModel", "common_prefix_length"]
