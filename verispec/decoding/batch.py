@@ -38,9 +38,9 @@ from verispec.core.rows import TokenLogprob, commit, verify
 from verispec.core.sampling import SamplingParams, make_generator
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import sync
-from verispec.decoding.engine import cut_at_stop
 from verispec.decoding.policies.base import FixedK, RoundReport, RoundView
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
+from verispec.decoding.round import settle
 from verispec.names.drafters import Source
 from verispec.names.k import BATCH_AUTO_K, DEFAULT_K, check_k
 from verispec.proposers.rows import RowDrafter, no_draft
@@ -187,9 +187,12 @@ class BatchGenerator:
                                  first=False, own_draft=False, draft_steps=draft.steps, draft_seconds=t_draft - start,
                                  verify_seconds=end - t_draft, catchup_seconds=0.0, catchup_tokens=0,
                                  seconds=end - start)
-            chunk = self._finish_round(row, committed, report)
-            if chunk:
-                out.append((row, chunk))
+            settled = settle(row.seq, committed, report, row.request, row.result, row.stop, row.logprobs, row.started)
+            if settled.cut:  # what follows the stop leaves the cache too
+                self.target.rollback(row.slot, min(self.target.lengths[row.slot], len(row.seq) - 1))
+            row.done = settled.done
+            if settled.chunk:
+                out.append((row, settled.chunk))
         for row in ready:
             if row.done:
                 self._leave(row)
@@ -236,26 +239,6 @@ class BatchGenerator:
             if i is not None:
                 logits[i] = row_logits
         return logits
-
-    def _finish_round(self, row: BatchRequest, committed: list[int], report: RoundReport) -> Committed | None:
-        """Stats, stops and the end of a row's generation after its round; the tokens to hand out."""
-        stats, result, seq = row.result.stats, row.result, row.seq
-        stats.add_round(report)
-        emitted, keep = cut_at_stop(seq, committed, row.stop, row.request.stop_ids)
-        if keep is not None:
-            stats.cut_round(report.drafted, report.accepted, len(emitted))
-            self.target.rollback(row.slot, min(self.target.lengths[row.slot], len(seq) - 1))
-            result.finish_reason = "stop"
-            row.done = True
-        elif len(seq.generated) >= row.request.max_new_tokens:
-            result.finish_reason = "length"
-            row.done = True
-        result.token_ids = seq.generated
-        result.logprobs = None if row.logprobs is None else row.logprobs[: len(result.token_ids)]
-        stats.new_tokens, stats.seconds = len(result.token_ids), time.perf_counter() - row.started
-        if emitted and not stats.first_token_seconds:
-            stats.first_token_seconds = stats.seconds
-        return Committed(emitted, min(report.accepted, len(emitted))) if emitted else None
 
     def run(self, requests: Sequence[Request], stops: Sequence[StopFn | None] = (),
             deliver: Callable[[int, Committed], object] | None = None) -> list[GenerationResult]:

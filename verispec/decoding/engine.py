@@ -34,6 +34,7 @@ from verispec.core.timing import Clock, sync
 from verispec.core.tree import TokenTree, verify_tree
 from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
+from verispec.decoding.round import settle
 from verispec.decoding.stats import SpecStats
 from verispec.names.drafters import Source
 from verispec.names.k import DEFAULT_K, check_k
@@ -188,7 +189,7 @@ class SpeculativeGenerator:
         """Prefill, then rounds until max_new_tokens or a stop; yields each round's committed tokens."""
         stats, t_start = result.stats, time.perf_counter()
         prompt_ids, params, max_new_tokens = request.prompt_ids, request.params, request.max_new_tokens
-        stop_ids, top_logprobs = request.stop_ids, request.top_logprobs
+        top_logprobs = request.top_logprobs
         seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
         gen = make_generator(params.seed, self.device)
         head, fed = self._prefill(seq)
@@ -199,29 +200,18 @@ class SpeculativeGenerator:
         stats.prefill_seconds = time.perf_counter() - t_start
         logprobs = None if top_logprobs is None else []
         try:
-            while len(seq.generated) < max_new_tokens:
+            while True:
                 plan = policy.choose(self._view(seq, max_new_tokens, stats))
                 committed, report = self._round(seq, plan, params, gen, head, logprobs, top_logprobs or 0)
                 head = None
                 policy.observe(report)
-                stats.add_round(report)
-                emitted, keep = cut_at_stop(seq, committed, stop, stop_ids)
-                if keep is not None:  # drop what follows the stop, from the result and from the caches
-                    stats.cut_round(report.drafted, report.accepted, len(emitted),
-                                    None if report.tree is None else report.tree.depth)
-                    committed = emitted
+                settled = settle(seq, committed, report, request, result, stop, logprobs, t_start)
+                if settled.cut:  # what follows the stop leaves the caches too
                     self.target.rollback(min(self.target.length, len(seq) - 1))
-                    result.finish_reason = "stop"
-                result.token_ids = seq.generated
-                result.logprobs = None if logprobs is None else logprobs[: len(result.token_ids)]
-                stats.new_tokens, stats.seconds = len(result.token_ids), time.perf_counter() - t_start
-                if committed and not stats.first_token_seconds:
-                    stats.first_token_seconds = stats.seconds
-                if committed:
-                    yield Committed(committed, min(report.accepted, len(committed)))
-                if keep is not None:
+                if settled.chunk:
+                    yield settled.chunk
+                if settled.done:
                     return
-            result.finish_reason = "length"
         finally:  # what the target's cache holds, for prefix reuse by the next generation
             self._target_held = seq.ids[: self.target.length]
 
@@ -287,26 +277,3 @@ class SpeculativeGenerator:
             pass
         return generation.result
 
-
-def _stop_index(generated: list[int], start: int, stop: StopFn | None, stop_ids: frozenset[int]) -> int | None:
-    """Number of generated tokens to keep if a stop (an id in stop_ids, or a stop string) was hit among
-    generated[start:], else None."""
-    keep = next((i + 1 for i in range(start, len(generated)) if generated[i] in stop_ids), None)
-    if stop is not None:
-        at_stop = stop(generated[:keep] if keep is not None else generated)
-        if at_stop is not None:
-            keep = at_stop
-    return keep
-
-
-def cut_at_stop(
-    seq: TokenSequence, committed: list[int], stop: StopFn | None, stop_ids: frozenset[int]
-) -> tuple[list[int], int | None]:
-    """After a round committed `committed` (already in seq): if a stop was hit among them, truncate seq after
-    it and return (the committed tokens kept, generated tokens kept); else (committed, None)."""
-    start = len(seq.generated) - len(committed)
-    keep = _stop_index(seq.generated, start, stop, stop_ids)
-    if keep is None:
-        return committed, None
-    seq.truncate(seq.prompt_length + keep)
-    return committed[: max(0, keep - start)], keep
