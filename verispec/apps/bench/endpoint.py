@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 import httpx
 
 from verispec.apps.bench.loader import Prompt, answer_history
+from verispec.apps.bench.measured import Measured
 
 VLLM_COUNTERS = {"vllm:spec_decode_num_draft_tokens_total": "drafted",
                  "vllm:spec_decode_num_accepted_tokens_total": "accepted",
@@ -68,7 +69,7 @@ def parse_endpoint(text: str, api_key: str | None = None) -> Endpoint:
 
 
 @dataclass
-class EndpointRun:
+class EndpointRun(Measured):
     prompt_id: str
     category: str
     config: str
@@ -84,14 +85,6 @@ class EndpointRun:
     error: str | None = None
     speedup: float | None = None  # tokens/s over the baseline endpoint's on the same prompt
     text: str = field(default="", repr=False)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.ok and self.seconds > 0 else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float | None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from verispec.apps.bench.loader import Prompt, answer_history
+from verispec.apps.bench.measured import Measured
 from verispec.assembly.build import build
 from verispec.assembly.registry import BACKENDS, DRAFTERS
 from verispec.assembly.resolve import resolve
@@ -146,7 +147,7 @@ class Bench:
 
 
 @dataclass
-class Run:
+class Run(Measured):
     prompt_id: str
     category: str
     config: str
@@ -174,14 +175,6 @@ class Run:
     accepted_lengths: list[int] = field(default_factory=list, repr=False)  # per drafting round: drafts accepted
     timeline: list[tuple[float, int]] = field(default_factory=list, repr=False)  # (seconds, tokens) per round
     error: str | None = None  # a failed run: why, in one line (it measured nothing)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.ok and self.seconds > 0 else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float | None:
