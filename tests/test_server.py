@@ -414,6 +414,91 @@ def test_a_failed_round_answers_its_jobs_and_serving_goes_on(pair_dirs, monkeypa
     asyncio.run(scenario())
 
 
+class _FakeSlot:
+    done = False
+
+    def push(self, chunk):
+        return None
+
+    def finish(self):
+        from verispec.pipeline.completion import Completion
+
+        return None, Completion("x", [5, 5, 5], "length")
+
+
+class _FlakySlots:
+    """One slot whose generation commits a token a round for three rounds; its first `cancel` raises;
+    `on_round` runs inside each round (a client leaving meanwhile)."""
+
+    size = 1
+
+    def __init__(self):
+        self.held, self.rounds, self.cancels, self.on_round = None, 0, 0, lambda: None
+
+    @property
+    def free(self):
+        return 0 if self.held else 1
+
+    def add(self, request):
+        self.held, self.rounds = _FakeSlot(), 0
+        return self.held
+
+    def step(self):
+        from verispec.decoding.request import Committed
+
+        self.rounds += 1
+        self.on_round()
+        self.held.done = self.rounds == 3
+        if self.held.done:
+            held, self.held = self.held, None
+            return [(held, Committed([5], 0))]
+        return [(self.held, Committed([5], 0))]
+
+    def cancel(self, slot):
+        self.cancels += 1
+        if self.cancels == 1:
+            raise RuntimeError("cancel failed")
+        self.held = None
+
+    def abort(self):
+        self.held = None
+
+
+def test_a_failing_cancel_answers_its_job_and_the_worker_serves_on():
+    """A cancel that raises is a lost round, not a dead worker: the job gets an error event, the next job runs to
+    its end."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from verispec.apps.server.metrics import Metrics
+    from verispec.apps.server.worker import Job, Worker
+    from verispec.decoding.request import Request
+
+    slots = _FlakySlots()
+    worker = Worker(SimpleNamespace(slots=lambda max_batch: slots), max_queue=4, metrics=Metrics())
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first, second = (Job(Request(prompt_ids=[1], max_new_tokens=3), loop) for _ in range(2))
+        slots.on_round = first.cancelled.set  # the first job's client leaves during its first round
+        worker.start()
+        worker.submit(first)
+        first_kind, first_message = await asyncio.wait_for(first.events.get(), 10)
+        slots.on_round = lambda: None
+        worker.submit(second)
+        kinds = []
+        while not kinds or kinds[-1] not in ("done", "error", "unavailable"):
+            kinds.append((await asyncio.wait_for(second.events.get(), 10))[0])
+        return first_kind, first_message, kinds
+
+    try:
+        first_kind, first_message, kinds = asyncio.run(scenario())
+        assert first_kind == "error" and "cancel failed" in first_message
+        assert kinds[-1] == "done" and worker.alive
+    finally:
+        worker.stop()
+
+
 def test_load_script(pair_dirs, tmp_path):
     """The repo's load test, scaled down (bench/load_test.py runs 1,000): 150 requests at concurrency 16, 20%
     malformed, 10% dropped mid-way, a burst provoking 429s, 1,000 unknown paths, solo re-runs compared."""

@@ -229,9 +229,9 @@ class Worker:
     # -- the loop ------------------------------------------------------------------------------------
 
     def _serve(self, runs: dict[Slot, _Running]) -> None:
-        slots, stopping = self.slots, False
+        stopping = False
         while True:
-            while slots.free and not stopping:  # every free slot takes a waiting job, before the round
+            while self.slots.free and not stopping:  # every free slot takes a waiting job, before the round
                 job = self.jobs.get(block=not runs)
                 if job is EMPTY:
                     break
@@ -239,47 +239,53 @@ class Worker:
                     stopping = True
                     break
                 self._admit(job, runs)
-            for slot, run in list(runs.items()):
-                if run.job.cancelled.is_set():  # its client left: out of the slots before the round
-                    slots.cancel(slot)
-                    self._close(slot, runs)
             if not runs:
                 if stopping:
                     return
                 continue
             try:
-                chunks = slots.step()
+                self._round(runs)
             except Exception as exc:  # the round is lost, the server is not: answer its jobs, start afresh
-                slots.abort()
+                self.slots.abort()
                 for run in runs.values():
                     run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
                 runs.clear()
                 self._set_running(runs)
-                continue
-            for slot, chunk in chunks:
-                run = runs[slot]
-                try:
-                    delivered = self._deliver(run, chunk, slot.push(chunk))
-                except Exception as exc:  # this job's text failed: it alone ends
-                    slots.cancel(slot)
-                    runs.pop(slot)
-                    self._set_running(runs)
-                    run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
-                    continue
-                if not delivered:
-                    slots.cancel(slot)
-            for slot in [slot for slot in runs if slot.done]:
+
+    def _round(self, runs: dict[Slot, _Running]) -> None:
+        """Jobs whose client left leave the slots; one round runs for the rest; its tokens go out, and the jobs
+        whose generation ended are answered."""
+        slots = self.slots
+        for slot, run in list(runs.items()):
+            if run.job.cancelled.is_set():  # between rounds: the caches stay consistent
+                slots.cancel(slot)
                 self._close(slot, runs)
+        if not runs:
+            return
+        for slot, chunk in slots.step():
+            run = runs[slot]
+            try:
+                delivered = self._deliver(run, chunk, slot.push(chunk))
+            except Exception as exc:  # this job's text failed: it alone ends
+                slots.cancel(slot)
+                runs.pop(slot)
+                self._set_running(runs)
+                run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
+                continue
+            if not delivered:
+                slots.cancel(slot)
+        for slot in [slot for slot in runs if slot.done]:
+            self._close(slot, runs)
 
     def _set_running(self, runs: dict) -> None:
         self.running = [run.job for run in runs.values()]
         self._update_gauges()
 
     def _admit(self, job: Job, runs: dict[Slot, _Running]) -> None:
-        run = self._begin(job)
-        if run is None:
-            return
         try:
+            run = self._begin(job)
+            if run is None:
+                return
             slot = self.slots.add(job.request)
         except Exception as exc:
             job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
@@ -301,3 +307,6 @@ class Worker:
             self._end(run, completion)
         except Exception as exc:
             run.job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
+        except BaseException:  # the thread dies: this job, out of `runs` already, must not wait for it
+            run.job.emit("unavailable", "the model worker stopped unexpectedly")
+            raise
