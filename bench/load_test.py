@@ -31,6 +31,7 @@ import psutil
 MALFORMED = ["bad_json", "wrong_type", "negative_max_tokens", "huge_prompt", "unknown_model", "missing_field",
              "lone_surrogate", "huge_integer", "deep_nesting", "text_plain", "unsupported_field", "context_exceeded"]
 N_UNKNOWN_PATHS = 1000
+BURST_TOKENS = 128  # a burst request's length: the slots stay taken while the burst arrives
 
 
 def _free_port() -> int:
@@ -181,11 +182,16 @@ async def _solo(client, url, spec) -> str | None:
     return choice["message"]["content"] if spec["chat"] else choice["text"]
 
 
-async def _burst(client, url, args) -> Counter:
-    """More requests at once than the queue holds: some must get 429 with Retry-After."""
-    body = {"model": args.model, "prompt": "burst", "max_tokens": 8, "temperature": 0}
-    replies = await asyncio.gather(*(client.post(url + "/v1/completions", json=body)
-                                     for _ in range(2 * args.max_queue + 4)))
+async def _burst(url, args) -> Counter:
+    """More requests at once than the slots and the queue hold: some must get 429 with Retry-After. Each asks for
+    BURST_TOKENS tokens (EOS ignored), so that no slot frees while the burst arrives, and each has a connection of
+    its own."""
+    models = httpx.get(url + "/v1/models").json()["data"]
+    slots = next(m["verispec"]["max_batch"] for m in models if m.get("verispec"))
+    n = slots + args.max_queue + 16
+    body = {"model": args.model, "prompt": "burst", "max_tokens": BURST_TOKENS, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=httpx.Limits(max_connections=n)) as client:
+        replies = await asyncio.gather(*(client.post(url + "/v1/completions", json=body) for _ in range(n)))
     statuses = Counter(r.status_code for r in replies)
     statuses["429_with_retry_after"] = sum(r.status_code == 429 and "retry-after" in r.headers for r in replies)
     return statuses
@@ -229,7 +235,7 @@ async def run(args) -> dict:
             kept = [r for r in results if r["kind"] == "valid" and not r["drop"] and r.get("completed")]
             checked = random.Random(args.seed).sample(kept, min(args.solo_checks, len(kept)))
             solo = [(r, await _solo(client, url, r)) for r in checked]
-            burst = await _burst(client, url, args)
+            burst = await _burst(url, args)
             await client.get(url + "/no-such-path")  # the shared series for unknown paths exists from here
             await client.get(url + "/metrics")  # and that of /metrics' own answers
             series_before = _series((await client.get(url + "/metrics")).text)
