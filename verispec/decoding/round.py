@@ -31,10 +31,11 @@ def settle(seq: TokenSequence, committed: list[int], report: RoundReport, reques
     stats = result.stats
     stats.add_round(report)
     emitted, keep = cut_at_stop(seq, committed, stop, request.stop_ids)
-    if keep is not None:
+    cut, full = keep is not None, len(seq.generated) >= request.max_new_tokens
+    if cut:
         stats.cut_round(report.drafted, report.accepted, len(emitted), None if report.tree is None else report.tree.depth)
         result.finish_reason = "stop"
-    elif len(seq.generated) >= request.max_new_tokens:
+    elif full:
         result.finish_reason = "length"
     result.token_ids = seq.generated
     result.logprobs = None if logprobs is None else logprobs[: len(result.token_ids)]
@@ -42,7 +43,7 @@ def settle(seq: TokenSequence, committed: list[int], report: RoundReport, reques
     if emitted and not stats.first_token_seconds:
         stats.first_token_seconds = stats.seconds
     chunk = Committed(emitted, min(report.accepted, len(emitted))) if emitted else None
-    return Settled(chunk, keep is not None, keep is not None or len(seq.generated) >= request.max_new_tokens)
+    return Settled(chunk, cut, cut or full)
 
 
 def _stop_index(generated: list[int], start: int, stop: StopFn | None, stop_ids: frozenset[int]) -> int | None:
