@@ -41,9 +41,18 @@ def make_batch(target, draft, slots, k=4, eos=(EOS,), drafter="model") -> BatchG
 
 
 def run_all(batch, reqs):
-    """BatchGenerator.run over requests written as keyword dicts of Request's fields ('stop': a stop test)."""
-    return batch.run([Request(**{k: v for k, v in r.items() if k != "stop"}) for r in reqs],
-                     [r.get("stop") for r in reqs])
+    """Every request through the batch, the next admitted as soon as a slot frees; the results in order.
+    Requests are keyword dicts of Request's fields ('stop': a stop test)."""
+    waiting, index_of = list(enumerate(reqs)), {}
+    while waiting or batch.active:
+        while waiting and batch.free_slots:
+            index, r = waiting.pop(0)
+            index_of[batch.add(Request(**{k: v for k, v in r.items() if k != "stop"}), stop=r.get("stop"))] = index
+        batch.step()
+    results = [None] * len(reqs)
+    for row, index in index_of.items():
+        results[index] = row.result
+    return results
 
 
 def plain_greedy(target, prompt, max_new, eos=(EOS,)):

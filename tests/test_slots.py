@@ -76,3 +76,22 @@ def test_a_bad_request_is_refused_and_the_slot_stays_free(pipe, max_batch):
     assert slots.free == max_batch
     (_, done), = serve(slots, [pipe.request(PROMPTS[2], max_new_tokens=8)])
     assert done.token_ids == pipe.generate(PROMPTS[2], max_new_tokens=8).token_ids
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_a_list_with_a_bad_prompt_fails_before_any_is_generated(pipe, max_batch, monkeypatch):
+    from verispec.pipeline.pipeline import Pipeline
+
+    added, real = [], Pipeline.slots
+
+    def spied(self, n=1):
+        slots = real(self, n)
+        add = slots.add
+        slots.add = lambda request: added.append(request) or add(request)
+        return slots
+
+    monkeypatch.setattr(Pipeline, "slots", spied)
+    with pytest.raises(ValueError, match="out of range"):
+        pipe.generate([PROMPTS[0], [1, 10**6]], max_new_tokens=4, max_batch=max_batch)
+    assert added == []
+    assert len(pipe.generate(PROMPTS[:2], max_new_tokens=4, max_batch=max_batch)) == 2 and len(added) == 2

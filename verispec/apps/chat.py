@@ -73,7 +73,7 @@ class ChatBot:
     def from_models(cls, target: str | None = None, draft: str | None = None, device: str = "auto",
                     dtype: str | None = None, num_draft_tokens: int | str = DEFAULT_K, **kwargs) -> "ChatBot":
         """A ChatBot over verispec.load(target, draft) (None, None: the default pair; dtype None: the device's
-        fastest, see verispec.assembly.build.choose_dtype)."""
+        fastest, see verispec.assembly.resolve.choose_dtype)."""
         from verispec.assembly.build import load
 
         return cls(load(target, draft, device=device, dtype=dtype, k=num_draft_tokens), **kwargs)

@@ -298,7 +298,7 @@ def cmd_generate(args) -> int:
         print(LEGEND, file=sys.stderr, flush=True)
     try:
         stream = pipe.stream(Request(prompt_ids=prompt_ids, params=params, max_new_tokens=args.max_new_tokens,
-                                     stop=tuple(args.stop)))
+                                     stop=args.stop))
         for piece in stream.pieces():
             if not args.json:
                 out.write(piece)

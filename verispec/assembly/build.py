@@ -152,8 +152,6 @@ def batch_unsupported(pipe: Pipeline) -> str | None:
 def batch_generator(pipe: Pipeline, max_batch: int) -> BatchGenerator:
     """A BatchGenerator of `max_batch` slots over the pipeline's models (the same weights; caches of its own).
     SpecError (runtime) when the pipeline cannot batch (see batch_unsupported)."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise SpecError(f"max_batch must be an integer >= 1, got {max_batch!r}", "max_batch")
     reason = batch_unsupported(pipe)
     if reason is not None:
         raise SpecError(reason, "max_batch", runtime=True)

@@ -27,7 +27,7 @@ pass, and in a batch that pass is shared.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -239,29 +239,3 @@ class BatchGenerator:
             if i is not None:
                 logits[i] = row_logits
         return logits
-
-    def run(self, requests: Sequence[Request], stops: Sequence[StopFn | None] = (),
-            deliver: Callable[[int, Committed], object] | None = None) -> list[GenerationResult]:
-        """Generate every request (`stops[i]`: the test for request i's text stops), at most max_batch at a
-        time, admitting the next as soon as a slot frees; `deliver(i, tokens)` gets request i's newly committed
-        tokens after each round. Every request is checked before any is generated (ValueError); results in the
-        order of `requests`."""
-        for request in requests:
-            self.resolve(request)
-        waiting = list(enumerate(requests))
-        index_of: dict[BatchRequest, int] = {}
-        try:
-            while waiting or self.active:
-                while waiting and self.free_slots:
-                    index, request = waiting.pop(0)
-                    index_of[self.add(request, stop=stops[index] if stops else None)] = index
-                for row, chunk in self.step():
-                    if deliver is not None:
-                        deliver(index_of[row], chunk)
-        finally:
-            for row in list(self.active):
-                self.cancel(row)
-        results: list[GenerationResult] = [None] * len(requests)  # type: ignore[list-item]
-        for row, index in index_of.items():
-            results[index] = row.result
-        return results

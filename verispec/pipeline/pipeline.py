@@ -21,7 +21,7 @@ from verispec.decoding.request import Committed, Request
 from verispec.names.errors import SpecError
 from verispec.pipeline.completion import Completion
 from verispec.pipeline.provenance import Piece, ProvenanceText
-from verispec.pipeline.slots import BatchSlots, LoneSlots, Slots
+from verispec.pipeline.slots import BatchSlots, LoneSlots, Slots, drain
 from verispec.pipeline.text import encode_messages
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -292,7 +292,7 @@ class Pipeline:
         else:
             request = self.request(prompt, **settings)
         text = ProvenanceText(self.tokenizer, request.stop)
-        generation = self.generator.stream(request, stop=text.assembler.stop_index if request.stop else None)
+        generation = self.generator.stream(request, stop=text.stop_test)
         return TextStream(generation, text, request.prompt_ids, streamer)
 
     def generate(self, prompt: Prompt | list[Prompt], **kwargs: Any) -> Completion | list[Completion]:
@@ -313,6 +313,7 @@ class Pipeline:
     def batch(self, max_batch: int) -> BatchGenerator:
         """A verispec.decoding.batch.BatchGenerator of `max_batch` slots over this pipeline's models (the same
         weights, caches of its own); SpecError (runtime) when the pipeline cannot batch."""
+        _check_max_batch(max_batch)
         if self.make_batch is None:
             raise SpecError(self.batch_reason or "this pipeline cannot batch", "max_batch", runtime=True)
         return self.make_batch(max_batch)
@@ -320,6 +321,7 @@ class Pipeline:
     def slots(self, max_batch: int = 1) -> Slots:
         """Slots for a serving loop (verispec.pipeline.slots): `max_batch` requests decoding together where the
         pipeline can batch and more than one is asked for, else one at a time (`size` says which)."""
+        _check_max_batch(max_batch)
         if max_batch > 1 and self.can_batch() is None:
             return BatchSlots(self.batch(max_batch), self.tokenizer)
         return LoneSlots(self.generator, self.tokenizer)
@@ -328,19 +330,19 @@ class Pipeline:
                        k: int | str | None = None, generation_config=None, **settings: Any) -> list[Completion]:
         """One Completion per prompt, at most `max_batch` sequences decoding together (continuous batching:
         a finished sequence's slot takes the next prompt at once). Sampling keywords as `stream`; each
-        sequence gets its own generator (seed: the same seed for each). Falls back to one at a time where
-        the pipeline cannot batch (`can_batch`)."""
-        if self.can_batch() is not None:
-            return [self.generate(p, stop=stop, k=k, generation_config=generation_config, **settings)
-                    for p in prompts]
+        sequence gets its own generator (seed: the same seed for each). One at a time where the pipeline
+        cannot batch (`can_batch`). Every prompt is checked before any is generated (ValueError)."""
         requests = [self.request(p, stop=stop, k=k, generation_config=generation_config, **settings)
                     for p in prompts]
-        texts = [ProvenanceText(self.tokenizer, request.stop) for request in requests]
-        results = self.batch(min(max_batch, len(prompts)) or 1).run(
-            requests, [text.assembler.stop_index if request.stop else None for request, text in zip(requests, texts)],
-            lambda index, chunk: texts[index].push(chunk))
-        for text in texts:
-            text.finish()
-        return [Completion.of(text.text, res) for text, res in zip(texts, results)]
+        slots = self.slots(min(max_batch, len(prompts)) or 1)
+        for request in requests:  # a bad prompt fails before any is generated
+            slots.check(request)
+        return drain(slots, requests)
+
+
+def _check_max_batch(max_batch: int) -> None:
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise SpecError(f"max_batch must be an integer >= 1, got {max_batch!r}", "max_batch")
+
 
 __all__ = ["Completion", "DraftView", "Piece", "Pipeline", "Prompt", "Request", "TargetView", "TextStream", "sampling_settings"]

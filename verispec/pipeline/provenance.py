@@ -15,7 +15,7 @@ have no text. Over a stream the counts add up to the generated token count and t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from verispec.pipeline.text import REPLACEMENT, TextAssembler
@@ -48,6 +48,11 @@ class ProvenanceText:
         self._ends: list[int] = []  # per generated token: where its text ends in the decoded text
         self._done = 0  # tokens already handed out in a piece
         self._shown = 0  # characters already handed out
+
+    @property
+    def stop_test(self) -> Callable[[list[int]], int | None] | None:
+        """The engine's test for the stop strings, on generated ids (None: there are none to test)."""
+        return self.assembler.stop_index if self.assembler.stop else None
 
     def _decode(self, n: int) -> str:
         return self.assembler.tokenizer.decode(self.assembler.ids[:n], skip_special_tokens=True,

@@ -5,17 +5,18 @@ can batch and more than one slot is asked for, else `LoneSlots` (one request at 
 generator). Both take a Request into a free slot (`add`), run one round for every request they hold (`step`)
 and hand back each request's newly committed tokens; the request's `Slot` turns them into text pieces (stop
 strings applied at the text level) and, at its end, into a Completion. So one loop serves either: between two
-rounds it fills free slots and drops the slots whose client left, then it steps.
+rounds it fills free slots and drops the slots whose client left, then it steps. `drain` is that loop for a list
+of requests (Pipeline.generate_batch); the server's worker runs it over its queue.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from verispec.decoding.batch import BatchGenerator, BatchRequest
 from verispec.decoding.engine import SpeculativeGenerator
-from verispec.decoding.request import Committed, GenerationResult, Request, StopFn
+from verispec.decoding.request import Committed, GenerationResult, Request
 from verispec.pipeline.completion import Completion
 from verispec.pipeline.provenance import Piece, ProvenanceText
 
@@ -28,11 +29,6 @@ class Slot:
         self.text = ProvenanceText(tokenizer, request.stop)
         self.result: GenerationResult | None = None  # set by the Slots that took the request
         self.done = False
-
-    @property
-    def stop(self) -> StopFn | None:
-        """The test for the request's stop strings, on generated ids (None: it has none)."""
-        return self.text.assembler.stop_index if self.request.stop else None
 
     def push(self, chunk: Committed) -> Piece | None:
         """The text piece a round's committed tokens complete (None: text held back for now)."""
@@ -51,6 +47,9 @@ class Slots(Protocol):
 
     @property
     def free(self) -> int: ...
+
+    def check(self, request: Request) -> None:
+        """ValueError with a one-line reason when `add` would refuse the request."""
 
     def add(self, request: Request) -> Slot:
         """Take a request into a free slot; it joins the next round (ValueError: a bad request)."""
@@ -77,9 +76,12 @@ class BatchSlots:
     def free(self) -> int:
         return self.batch.free_slots
 
+    def check(self, request: Request) -> None:
+        self.batch.resolve(request)
+
     def add(self, request: Request) -> Slot:
         slot = Slot(request, self.tokenizer)
-        row = self.batch.add(request, stop=slot.stop)
+        row = self.batch.add(request, stop=slot.text.stop_test)
         slot.result = row.result
         self._rows[row] = slot
         return slot
@@ -119,11 +121,14 @@ class LoneSlots:
     def free(self) -> int:
         return 0 if self._slot is not None else 1
 
+    def check(self, request: Request) -> None:
+        self.generator.resolve(request)
+
     def add(self, request: Request) -> Slot:
         if self._slot is not None:
             raise RuntimeError("the slot is taken (1 sequence)")
         slot = Slot(request, self.tokenizer)
-        generation = self.generator.stream(request, stop=slot.stop)
+        generation = self.generator.stream(request, stop=slot.text.stop_test)
         slot.result, self._slot, self._rounds, self._close = generation.result, slot, iter(generation), generation.close
         return slot
 
@@ -151,3 +156,23 @@ class LoneSlots:
     def _leave(self) -> None:
         self._slot.done = True
         self._slot, self._rounds, self._close = None, None, lambda: None
+
+
+def drain(slots: Slots, requests: Sequence[Request]) -> list[Completion]:
+    """Generate every request in `slots`, the next admitted as soon as a slot frees; their Completions, in order.
+    Requests still held when this fails leave the slots."""
+    waiting, held = list(enumerate(requests)), {}
+    out: list[Completion] = [None] * len(requests)  # type: ignore[list-item]
+    try:
+        while waiting or held:
+            while waiting and slots.free:
+                index, request = waiting.pop(0)
+                held[slots.add(request)] = index
+            for slot, chunk in slots.step():
+                slot.push(chunk)
+            for slot in [slot for slot in held if slot.done]:
+                out[held.pop(slot)] = slot.finish()[1]
+    finally:
+        for slot in held:
+            slots.cancel(slot)
+    return out

@@ -231,7 +231,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
         if k is None:
             k = pipeline.generator.num_draft_tokens if speculative else 0
         request = GenerationRequest(prompt_ids=prompt_ids, params=_params(req), max_new_tokens=max_tokens,
-                                    num_draft_tokens=k, stop=tuple(req.stop_list()), stop_token_ids=stop_ids,
+                                    num_draft_tokens=k, stop=req.stop_list(), stop_token_ids=stop_ids,
                                     ignore_eos=req.ignore_eos, logprobs=logprobs)
         return Job(request, asyncio.get_running_loop())
 
