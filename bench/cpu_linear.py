@@ -40,7 +40,7 @@ def _set_order(model: nn.Module, oriented: bool) -> None:
 
 
 def main() -> None:
-    from verispec.backends import HFModel
+    from verispec.backends import HFModel, Sequence
     from verispec.backends.loading import DTYPES, load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -67,7 +67,7 @@ def main() -> None:
                 matmuls.append({"weight": name, "shape": list(w.shape), "rows": n, "x_wt_ms": round(plain, 2),
                                 "w_xt_ms": round(ours, 2), "ratio": round(plain / ours, 2)})
 
-        model = HFModel(hf)
+        model = Sequence(HFModel(hf))
         ids = torch.randint(0, 30000, (args.context + max(rows),), generator=torch.Generator().manual_seed(1))
         model.forward(ids[: args.context])
         passes = {True: {}, False: {}}

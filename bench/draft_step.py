@@ -15,6 +15,7 @@ import time
 import torch
 
 from verispec.assembly.registry import BACKENDS, LoadRequest
+from verispec.backends.base import Sequence
 from verispec.backends.loading import DTYPES
 from verispec.names.models import DEFAULT_DRAFT
 
@@ -28,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     for quant in args.quants.split(","):
         request = LoadRequest(DEFAULT_DRAFT, torch.device("cpu"), DTYPES[args.dtype], quant=quant, forward="lean")
-        model = BACKENDS["hf"].load(request)[0]
+        model = Sequence(BACKENDS["hf"].load(request)[0])
         with torch.inference_mode():
             model.forward(torch.arange(100, 100 + args.context), last_only=True)
             times = []

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from verispec.backends.base import Sequence
 from verispec.backends.llamacpp import LlamaCppModel
 from verispec.backends.loading import resolve_gguf
 from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -21,7 +22,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     args = ap.parse_args()
     for name in (DEFAULT_TARGET, DEFAULT_DRAFT):
-        model = LlamaCppModel(resolve_gguf(name), n_ctx=2048)
+        model = Sequence(LlamaCppModel(resolve_gguf(name), n_ctx=2048))
         model.forward(torch.arange(1000, 1000 + args.context), last_only=True)
         base = None
         row = []

@@ -102,10 +102,12 @@ def worker(conn, model_path: str, config: Config, context: int) -> None:
     os.environ.update(config.env)
     import torch
 
+    from verispec.backends.base import Sequence
     from verispec.backends.llamacpp import LlamaCppModel
 
     with weights_not_repacked() if not config.repack else contextlib.nullcontext():
-        model = LlamaCppModel(model_path, n_ctx=context + 64, n_threads=config.threads, flash_attn=config.flash_attn)
+        model = Sequence(LlamaCppModel(model_path, n_ctx=context + 64, n_threads=config.threads,
+                                       flash_attn=config.flash_attn))
     model.forward(torch.arange(1000, 1000 + context), last_only=True)
     conn.send("ready")
     while True:

@@ -3,7 +3,9 @@ machine's costs measured in this process: the ceiling that tells a policy's shor
 the backend's (see verispec.apps.bench.bounds for how rounds are worked out from plain decoding).
 
 Measured: each prompt's plain greedy decoding and prefill; the target's pass over n = 1 .. k_max + 1 new tokens
-on a warm cache (median of --repeats); a draft model's one-token step and its prefill of each prompt. Reported
+on a warm cache (median of --repeats); a draft model's one-token step and its prefill of each prompt. A first
+round's drafts ride in the pass that feeds the prompt: each is priced at the prefill's mean seconds per prompt
+token. Reported
 per drafter, as decode time (after the prefill) and end to end (prefill included) over plain decoding:
 
     oracle        every round's drafter and k chosen knowing its outcome: no policy over these drafters beats it
@@ -49,7 +51,7 @@ from verispec.apps.bench.bounds import (
     trace_seconds,
 )
 from verispec.apps.bench.loader import answer_history, load_prompts, select
-from verispec.backends.base import common_prefix_length
+from verispec.backends.base import Sequence, common_prefix_length
 from verispec.core.sampling import SamplingParams
 from verispec.core.timing import sync
 from verispec.decoding.policies.cost_aware import CostAwareK
@@ -108,7 +110,8 @@ def decode_texts(pipe, prompts, max_new: int, warm_history: bool, draft) -> list
             pipe.generator.generate(warm, SamplingParams(), max_new_tokens=1, num_draft_tokens=0)
         result = pipe.generator.generate(ids, SamplingParams(), max_new_tokens=max_new, num_draft_tokens=0)
         budget = min(max_new, pipe.generator.target.max_length - len(ids))  # as the engine caps it
-        text = Text(ids, result.token_ids, budget, result.stats.prefill_seconds)
+        cached = min(common_prefix_length(warm, ids), len(ids) - 1)  # what the engine kept of the warm cache
+        text = Text(ids, result.token_ids, budget, cached, result.stats.prefill_seconds)
         text.decode = result.stats.seconds - result.stats.prefill_seconds  # plain decoding as timed
         if draft is not None:
             text.draft_prefill = timed_forward(draft, ids, warm)
@@ -161,7 +164,7 @@ def main() -> None:
     use_model = "model" in drafters
     pipe = verispec.load(drafter="model" if use_model else None, k=0, backend=args.backend, dtype=args.dtype,
                          draft_backend=args.draft_backend, draft_quant=args.draft_quant)
-    draft = pipe.draft_model
+    draft = None if pipe.draft_model is None else Sequence(pipe.draft_model)
     print(f"# target: {pipe.backend} ({pipe.reason}); draft: {pipe.draft_backend or '-'} {pipe.draft_quant}",
           flush=True)
     prompts = select(load_prompts(args.prompts, turn=args.turn), args.limit, args.per_category)
@@ -173,15 +176,18 @@ def main() -> None:
     texts = decode_texts(pipe, prompts, args.max_new_tokens, args.warm_history, draft)
 
     context = int(statistics.median(len(t.prompt) + len(t.output) // 2 for t in texts))
-    models = {"target": (pipe.generator.target, range(1, args.k_max + 2))}
+    models = {"target": (Sequence(pipe.generator.target), range(1, args.k_max + 2))}
     if use_model:
         models["model"] = (draft, range(1, 2))
     measured = pass_costs(models, context, args.repeats)
     verify = measured["target"]
-    costs = Costs(verify, {"model": measured["model"][1]} if use_model else {})
+    prefill_token = sum(t.prefill for t in texts) / sum(t.fed for t in texts)  # a first round's draft rides in it
+    costs = Costs(verify, {"model": measured["model"][1]} if use_model else {}, prefill_token)
     step = verify[1]
     print(f"# target pass over n tokens, x one token ({step * 1e3:.1f} ms): "
           + ", ".join(f"{n}: {verify[n] / step:.2f}" for n in verify))
+    print(f"# prefill {prefill_token * 1e3:.2f} ms a prompt token = {prefill_token / step:.3f} of a target step "
+          "(the price of a first round's draft)")
     if use_model:
         print(f"# draft step {costs.steps['model'] * 1e3:.1f} ms = {costs.steps['model'] / step:.3f} of a target step")
     add_rounds(texts, drafters, draft, pipe.generator.target.vocab_size, args.k_max)
@@ -213,6 +219,7 @@ def main() -> None:
     report: dict = {"context": context, "plain_step_ms": step * 1e3, "prompts": len(texts),
                     "tokens": sum(len(t.output) for t in texts), "verify_x_step": {n: v / step for n, v in verify.items()},
                     "draft_step_x": costs.steps.get("model", 0.0) / step,
+                    "prefill_token_x": prefill_token / step,
                     "prefill_s": sum(t.prefill for t in texts), "draft_prefill_s": sum(t.draft_prefill for t in texts),
                     "plain_decode_s": sum(costs.plain(t) for t in texts), "drafters": {}}
     report["plain_decode_timed_s"] = sum(t.decode for t in texts)
@@ -231,7 +238,8 @@ def main() -> None:
         entry: dict = {"mean_accepted_length": mean_accepted_length(rounds),
                        "acceptance_per_depth": acceptance_per_depth(rounds, min(6, args.k_max))}
         entry["oracle"] = row(name, "oracle", speedups(texts, [oracle(t, [name]) for t in texts]))
-        fixed = {k: speedups(texts, [policy(t, lambda i, k=k: (name, k)) for t in texts]) for k in range(1, args.k_max + 1)}
+        fixed = {k: speedups(texts, [policy(t, lambda i, k=k, name=name: (name, k)) for t in texts])
+                 for k in range(1, args.k_max + 1)}
         best_k = max(fixed, key=lambda k: fixed[k]["e2e_speedup"])
         entry["fixed"] = {"k": best_k, **row(name, f"fixed k = {best_k}", fixed[best_k])}
         table = per_source_table(texts, name, costs, args.k_max)
@@ -241,7 +249,7 @@ def main() -> None:
         if model:
             for t in texts:
                 t.rounds["perfect"] = perfect_rounds(t, args.k_max)
-            perfect = Costs(verify, {"perfect": costs.steps["model"]}).envelope()
+            perfect = Costs(verify, {"perfect": costs.steps["model"]}, prefill_token).envelope()
             entry["ceiling"] = row(name, "ceiling: every draft accepted", speedups(
                 texts, [oracle(t, ["perfect"], perfect) for t in texts]))
             entry["ceiling_no_draft_prefill"] = row(name, "ceiling, no draft prefill", speedups(

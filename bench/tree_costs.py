@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from verispec.backends.base import Sequence
 from verispec.core.timing import sync
 
 
@@ -38,7 +39,8 @@ def _chain_tree(n: int, width: int = 4):
 def _prefill(model, context: int, seed: int) -> torch.device:
     """A fresh cache of `context` random tokens; returns the model's device."""
     model.reset()
-    model.forward(torch.randint(0, 30000, (context,), generator=torch.Generator().manual_seed(seed)).to(model.device))
+    Sequence(model).forward(torch.randint(0, 30000, (context,), generator=torch.Generator().manual_seed(seed))
+                            .to(model.device))
     return model.device
 
 
@@ -48,8 +50,8 @@ def _pass_seconds(model, tokens, positions, visible, context: int, repeats: int 
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        model.forward_tree(tokens, positions, context, visible, int(positions.max()))
-        model.rollback(context)
+        model.forward_tree(0, tokens, positions, context, visible, int(positions.max()))
+        model.rollback(0, context)
         sync(model.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])

@@ -60,13 +60,14 @@ def view(limit: int, source: str = "model", pending: int = 0, timer: StepTimer |
 
 def report(drafted: int, accepted: int, verify_seconds: float, draft_seconds: float = 0.0, own_draft: bool = False,
            first: bool = False, catchup_seconds: float = 0.0, catchup_tokens: int = 0,
-           seconds: float | None = None) -> RoundReport:
-    """A round's report (its wall time: its parts' sum unless given)."""
+           seconds: float | None = None, fed: int | None = None) -> RoundReport:
+    """A round's report (its wall time: its parts' sum unless given; its pass fed the last committed token and the
+    drafts unless `fed` is given: a first round's pass holds the prompt too)."""
     if seconds is None:
         seconds = catchup_seconds + draft_seconds + verify_seconds
     steps = 0 if own_draft else drafted
-    return RoundReport(k=drafted, source="x" if drafted else "", drafted=drafted, accepted=accepted, first=first,
-                       own_draft=own_draft, draft_steps=steps, draft_seconds=draft_seconds,
+    return RoundReport(k=drafted, source="x" if drafted else "", drafted=drafted, accepted=accepted,
+                       fed=drafted + 1 if fed is None else fed, first=first, own_draft=own_draft, draft_steps=steps, draft_seconds=draft_seconds,
                        verify_seconds=verify_seconds, catchup_seconds=catchup_seconds, catchup_tokens=catchup_tokens,
                        seconds=seconds)
 
@@ -349,7 +350,7 @@ def test_probe_catch_up_is_paid_by_its_own_generation():
     sub = k_policy.for_source("model")
     sub.costs.t_draft, sub.costs.t_catchup = 0.3, 1.0
     sub.gate._gen_off_rounds = 400
-    k_policy.start(0.01, 8)
+    k_policy.start()
     assert sub.gate._gen_off_rounds == 0
 
 
@@ -388,12 +389,16 @@ def test_free_drafter_is_priced_free_until_measured():
 
 def test_catch_up_estimated_from_the_target_prefill():
     """Before the draft has caught up once, its catch-up is estimated as the target's prefill cost per token
-    scaled by the draft/target step ratio: 13 ms x 0.2 = 2.6 ms a token. Drafting saves 0.056 s a token here,
-    1.68 s over 30 tokens: worth 500 pending tokens (1.3 s), not 700 (1.82 s)."""
+    scaled by the draft/target step ratio: 13 ms x 0.2 = 2.6 ms a token. The prefill's cost is learnt from a first
+    round's pass, which fed the prompt (and that round's drafts): 100 tokens in 1.3 s. Drafting saves 0.056 s a
+    token here, 1.68 s over 30 tokens: worth 500 pending tokens (1.3 s), not 700 (1.82 s)."""
     policy = CostAwareK(k_max=4)
-    policy.start(1.3, 100)
-    policy.start(5.0, 10)  # too few tokens to say anything per token: ignored
+    for seconds, fed in ((1.3, 100), (5.0, 10)):  # 10 tokens: too few to say anything per token, ignored
+        policy.start()
+        assert policy.choose(view(50)) == Plan(0)  # nothing measured yet: plain
+        policy.observe(report(0, 0, seconds, first=True, fed=fed))
     assert policy.target.t_prefill_token == pytest.approx(0.013)
+    assert policy.target.t_verify == {}  # a first round's pass is no verify pass
     model = policy.for_source("model")
     model.acceptance.rates = [0.9] * 4
     policy.target.t_verify.update({0: 0.1, 4: 0.1})
@@ -493,8 +498,9 @@ def test_one_bad_round_in_a_saving_spell_does_not_bench():
 
 
 def test_saving_judged_against_plain_passes_not_tokens():
-    """The first round's first token comes from the prefill's logits: plain decoding pays no pass for it, so
-    that round's saving counts only the passes plain decoding would have made (plain_tokens = accepted)."""
+    """A round's saving counts the passes plain decoding would have made for its tokens (plain_tokens; a report's
+    is accepted + 1). A first round is not judged at all: its pass fed the prompt too, which plain decoding pays
+    as well (its first pass gives the first token), so its time says nothing of what drafting saves."""
     policy = drafting_policy()
     policy.gate.judge_after = 1
     policy.observe(4, 4, 0.0, round_seconds=0.45, plain_tokens=4)  # 4 passes: 0.4 s < 0.45 s, a loss
@@ -503,6 +509,18 @@ def test_saving_judged_against_plain_passes_not_tokens():
     policy.gate.judge_after = 1
     policy.observe(4, 4, 0.0, round_seconds=0.45, plain_tokens=5)
     assert not policy.gate.benched
+    k_policy = CostAwareK(k_max=4)
+    k_policy.target.t_verify.update({0: 0.1, 4: 0.1})
+    model = k_policy.for_source("model")
+    model.costs.t_draft, model.acceptance.rates, model.gate.judge_after = 0.0, [0.9] * 4, 1
+    assert k_policy.choose(view(50)) == Plan(4)
+    first = report(4, 4, 5.0, first=True, fed=len(PROMPT) + 4)  # the prompt's pass: 5 s for 5 tokens
+    assert first.plain_tokens == 5
+    k_policy.observe(first)
+    assert not model.gate.benched and k_policy.target.t_verify == {0: 0.1, 4: 0.1}
+    assert k_policy.choose(view(50)) == Plan(4)
+    k_policy.observe(report(4, 4, 0.55))  # the same round, not a first: 0.55 s for 5 passes' 0.5 s, a loss
+    assert model.gate.benched
 
 
 # -- the KPolicy over sources --------------------------------------------------------------------------
@@ -511,11 +529,15 @@ def test_saving_judged_against_plain_passes_not_tokens():
 @pytest.mark.parametrize("t_verify_2, step, drafts", [(0.15, 0.05, False), (0.1, 0.01, True)],
                          ids=["verify-grows", "verify-flat"])
 def test_fresh_policy_learns_costs_before_drafting(t_verify_2, step, drafts):
-    """A fresh policy decodes plainly first (measuring plain decoding), verifies one free guess from prompt
-    lookup (a 2-token pass: the k = 1 cost, which teaches the source nothing), then times one draft step, and
-    only then decides. A 2-token pass 1.5x plain and a draft step half of plain: (0.05 + 0.15) / 1.6 > 0.1 a
-    token, so it never drafts. Flat verify costs and a step 0.1 of plain: it drafts."""
+    """A fresh policy decodes plainly first (its first round, the prompt's pass, measures the prefill; the next one
+    plain decoding), verifies one free guess from prompt lookup (a 2-token pass: the k = 1 cost, which teaches the
+    source nothing), then times one draft step, and only then decides. A 2-token pass 1.5x plain and a draft step
+    half of plain: (0.05 + 0.15) / 1.6 > 0.1 a token, so it never drafts. Flat verify costs and a step 0.1 of
+    plain: it drafts."""
     policy, timer = CostAwareK(k_max=8), StepTimer(step)
+    assert policy.choose(view(50, timer=timer)) == Plan(0) and timer.calls == 0
+    policy.observe(report(0, 0, 0.32, first=True, fed=32))
+    assert policy.target.t_prefill_token == pytest.approx(0.01) and not policy.target.t_verify
     assert policy.choose(view(50, timer=timer)) == Plan(0) and timer.calls == 0
     policy.observe(report(0, 0, 0.1))
     plan = policy.choose(view(50, timer=timer))
@@ -594,37 +616,37 @@ def test_draft_model_time_step_is_part_of_its_catch_up(target):
     that follow are those of a draft that never timed a step."""
     from verispec.backends import HFModel
     from verispec.core.sampling import SamplingParams
-    from verispec.proposers import DraftModelProposer
+    from verispec.proposers import DraftModel
 
     drafts = []
     for timed in (False, True):
-        proposer = DraftModelProposer(HFModel(tiny_qwen2(3)), 64)
+        proposer = DraftModel(HFModel(tiny_qwen2(3)), 64)
         seq = TokenSequence(list(range(1, 11)), 40, torch.device("cpu"))
-        proposer.start(seq, SamplingParams(), torch.Generator())
+        proposer.start(0, seq, SamplingParams(), torch.Generator())
         if timed:
-            assert proposer.catch_up(seq, 1) == 1 and proposer.catch_up(seq, 1) == 1
-            assert proposer.model.length == 2 and proposer.pending(seq) == 7
-        drafts.append(proposer.propose(seq, 4).tokens.tolist())
+            assert proposer.catch_up(0, seq, 1) == 1 and proposer.catch_up(0, seq, 1) == 1
+            assert proposer.model.lengths[0] == 2 and proposer.pending(0, seq) == 7
+        drafts.append(proposer.propose([(0, seq, 4, None)])[0].tokens.tolist())
     assert drafts[0] == drafts[1]
     short = TokenSequence([1], 40, torch.device("cpu"))
-    proposer.start(short, SamplingParams(), torch.Generator())
-    assert proposer.catch_up(short, 1) == 0 and proposer.model.length == 0  # nothing to spare
+    proposer.start(0, short, SamplingParams(), torch.Generator())
+    assert proposer.catch_up(0, short, 1) == 0 and proposer.model.lengths[0] == 0  # nothing to spare
 
 
 def test_draft_model_reports_pending_catch_up(target):
     from verispec.backends import HFModel
     from verispec.core.sampling import SamplingParams
-    from verispec.proposers import DraftModelProposer
+    from verispec.proposers import DraftModel
 
-    proposer = DraftModelProposer(HFModel(tiny_qwen2(3)), 64)
+    proposer = DraftModel(HFModel(tiny_qwen2(3)), 64)
     seq = TokenSequence(list(range(1, 11)), 40, torch.device("cpu"))
-    proposer.start(seq, SamplingParams(), torch.Generator())
-    assert proposer.pending(seq) == 9  # the prompt but its last token, fed with the first draft step
-    assert proposer.catch_up(seq) == 9 and proposer.pending(seq) == 0 and proposer.model.length == 9
-    proposer.propose(seq, 2)
-    proposer.observe(seq, 2, 0)
+    proposer.start(0, seq, SamplingParams(), torch.Generator())
+    assert proposer.pending(0, seq) == 9  # the prompt but its last token, fed with the first draft step
+    assert proposer.catch_up(0, seq) == 9 and proposer.pending(0, seq) == 0 and proposer.model.lengths[0] == 9
+    proposer.propose([(0, seq, 2, None)])
+    proposer.observe(0, seq, 2, 0)
     seq.extend([5], torch.tensor([5]))
-    assert proposer.pending(seq) == 0
+    assert proposer.pending(0, seq) == 0
 
 
 @pytest.fixture(scope="module")
@@ -679,12 +701,12 @@ def test_hybrid_auto_is_exact(target):
 
 
 def test_engine_learns_costs_before_the_draft_runs(target):
-    """A fresh engine with k = auto: the prompt, the first token from its logits, a plain pass, a filler pass
-    (2 tokens) on the target before the draft model runs at all; its first pass is a single timed step. The
-    output is plain decoding's."""
+    """A fresh engine with k = auto: the first round's pass over the prompt (plain: nothing is measured yet; the
+    first token), a plain pass, a filler pass (2 tokens) on the target before the draft model runs at all; its
+    first pass is a single timed step. The output is plain decoding's."""
     from verispec.backends import HFModel
     from verispec.decoding.engine import SpeculativeGenerator
-    from verispec.proposers import DraftModelProposer
+    from verispec.proposers import DraftModel
 
     log = []
 
@@ -693,14 +715,14 @@ def test_engine_learns_costs_before_the_draft_runs(target):
             super().__init__(model)
             self.name = name
 
-        def forward(self, tokens, last_only=False):
-            log.append((self.name, tokens.numel()))
-            return super().forward(tokens, last_only)
+        def forward_rows(self, slots, feeds, last_only=False, keep=None):
+            log.append((self.name, sum(f.numel() for f in feeds)))
+            return super().forward_rows(slots, feeds, last_only, keep)
 
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = make_engine(target).generate(prompt, max_new_tokens=30).token_ids
     t = Logged(target, "T")
-    draft = DraftModelProposer(Logged(perturbed(target, seed=2, noise=0.05), "D"), t.vocab_size)
+    draft = DraftModel(Logged(perturbed(target, seed=2, noise=0.05), "D"), t.vocab_size)
     eng = SpeculativeGenerator(t, draft, num_draft_tokens="auto", auto_policy=CostAwareK())
     assert eng.generate(prompt, max_new_tokens=30).token_ids == plain
     assert log[:4] == [("T", 8), ("T", 1), ("T", 2), ("D", 1)]
@@ -725,36 +747,40 @@ def test_engine_benches_a_draft_with_costs_the_estimates_miss(target):
 
     from verispec.backends import HFModel
     from verispec.decoding.engine import SpeculativeGenerator
-    from verispec.proposers import DraftModelProposer
+    from verispec.proposers import DraftModel
 
     class SlowTarget(HFModel):
-        def forward(self, tokens, last_only=False):
+        def forward_rows(self, slots, feeds, last_only=False, keep=None):
             time.sleep(0.02)
-            return super().forward(tokens, last_only)
+            return super().forward_rows(slots, feeds, last_only, keep)
 
-    class SlowRollback(DraftModelProposer):
-        def observe(self, seq, drafted, accepted):
+    class SlowRollback(DraftModel):
+        def observe(self, slot, seq, drafted, accepted):
             time.sleep(0.3)
-            super().observe(seq, drafted, accepted)
+            super().observe(slot, seq, drafted, accepted)
 
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = make_engine(target).generate(prompt, max_new_tokens=50).token_ids
     eng = SpeculativeGenerator(SlowTarget(target), SlowRollback(HFModel(target), target.config.vocab_size),
                                num_draft_tokens="auto", auto_policy=CostAwareK())
     rounds = []  # (k planned, the gate benched after the round)
-    real = eng._round
+    probes = []  # the rounds that were probes (k = 1 while the estimates said no: measured, not judged)
+    real = eng.k_policy.observe
 
-    def logged(seq, plan, *a):
-        out = real(seq, plan, *a)
-        rounds.append((plan.k, eng.k_policy.by_source["model"].gate.benched))
-        return out
+    def logged(report):
+        source = eng.k_policy.by_source.get("model")
+        probes.append(source is not None and source.gate.probing)
+        real(report)
+        rounds.append((report.k, eng.k_policy.by_source["model"].gate.benched))
 
-    eng._round = logged
+    eng.k_policy.observe = logged
     assert eng.generate(prompt, max_new_tokens=50).token_ids == plain
     gate = eng.k_policy.by_source["model"].gate
     benched_at = next(i for i, (_, benched) in enumerate(rounds) if benched)
     # benched by the rounds it measured: the filler and judge_after judged ones, however many tokens each drafted
-    assert sum(k > 0 for k, _ in rounds[: benched_at + 1]) == 1 + gate.judge_after
+    # (a probe, which a slow spell on a loaded machine can bring before them, is not judged)
+    judged = [k > 0 and not probe for (k, _), probe in zip(rounds[: benched_at + 1], probes)]
+    assert sum(judged) == 1 + gate.judge_after, (rounds, probes)
     # and once benched, plain decoding until a probe (its interval is longer than the rest of this generation
     # when drafting goes well, not when slow steps on a loaded machine make the drafts shorter)
     after = rounds[benched_at + 1 :]

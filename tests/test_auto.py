@@ -278,15 +278,17 @@ def test_the_end_set_is_the_same_on_every_backend(pair_dirs, monkeypatch):
 
 
 def test_warm_up_leaves_the_cache_empty_and_outputs_unchanged():
-    from verispec.backends.lean import LeanModel
+    from verispec.backends.base import Sequence
+    from verispec.backends.lean import LeanBatch, LeanNet
 
     ids = torch.tensor([5, 9, 2, 7, 1, 3])
-    for wrap in (HFModel, LeanModel):
+    for wrap in (HFModel, lambda m: LeanBatch(LeanNet(m), slots=1)):
         cold, warm = wrap(tiny_qwen2(3).float()), wrap(tiny_qwen2(3).float())
         warm_up(warm)
-        assert warm.length == 0
-        assert torch.equal(warm.forward(ids), cold.forward(ids))
-        assert torch.equal(warm.forward(ids[:1]), cold.forward(ids[:1]))
+        assert warm.lengths == [0]
+        cold_seq, warm_seq = Sequence(cold), Sequence(warm)
+        assert torch.equal(warm_seq.forward(ids), cold_seq.forward(ids))
+        assert torch.equal(warm_seq.forward(ids[:1]), cold_seq.forward(ids[:1]))
 
 
 def test_the_store_warms_up_each_model_once(pair_dirs, monkeypatch):
@@ -303,7 +305,7 @@ def test_the_store_warms_up_each_model_once(pair_dirs, monkeypatch):
     a = build(t, DraftSpec("model", draft), 2, store=store)
     b = build(t, DraftSpec("hybrid", draft), 3, store=store)
     assert warmed == [a.generator.target, a.draft_model] and b.draft_model is a.draft_model
-    assert a.generator.target.length == 0 and a.draft_model.length == 0
+    assert a.generator.target.lengths == [0] and a.draft_model.lengths == [0]
 
 
 # -- on real models ----------------------------------------------------------------------------------------
@@ -374,17 +376,18 @@ def _llama_cpp_python_greedy(pipe, prompt, n: int) -> list[int]:
 
 @pytest.mark.integration
 def test_warm_up_on_llama_cpp_leaves_outputs_unchanged():
+    from verispec.backends.base import Sequence
     from verispec.backends.llamacpp import LlamaCppModel
 
     root = _installed(SMOLLM)
     ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 2])
     cold = LlamaCppModel(str(root / "model.gguf"), n_ctx=256)
-    expected = cold.forward(ids)
+    expected = Sequence(cold).forward(ids)
     del cold
     warm = LlamaCppModel(str(root / "model.gguf"), n_ctx=256)
     warm_up(warm)
-    assert warm.length == 0
-    assert torch.equal(warm.forward(ids), expected)
+    assert warm.lengths == [0]
+    assert torch.equal(Sequence(warm).forward(ids), expected)
 
 
 @pytest.mark.integration

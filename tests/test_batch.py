@@ -1,4 +1,5 @@
-"""Batched speculative decoding (verispec.decoding.batch): every sequence exact on its own, whatever its batch mates."""
+"""Batched speculative decoding (verispec.decoding.engine with n slots): every sequence exact on its own, whatever its
+batch mates; an n-slot engine gives each request what a 1-slot engine gives it."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from tiny import make_engine, perturbed, text_pair, tiny_qwen2
 
 import verispec
 from verispec.backends import lean as lean_module
-from verispec.backends.lean import LeanBatch, LeanModel, LeanNet
+from verispec.backends.base import Sequence
+from verispec.backends.lean import LeanBatch, LeanNet
 from verispec.core.sampling import SamplingParams
-from verispec.decoding import batch as batch_module
-from verispec.decoding.batch import BatchGenerator
+from verispec.decoding import engine as engine_module
+from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.decoding.request import Request
-from verispec.proposers import NgramProposer
-from verispec.proposers.rows import BatchDraftModel, ProposerRows
+from verispec.proposers import DraftModel, LookupDrafter, NgramProposer
 
 EOS = 7
 
@@ -30,14 +32,15 @@ def pair():
     return target, perturbed(target, seed=2, noise=0.3)
 
 
-def make_batch(target, draft, slots, k=4, eos=(EOS,), drafter="model") -> BatchGenerator:
-    solo = make_engine(target, None, k=k, eos=eos)  # the request check a lone sequence gets
-    rows = None
+def make_batch(target, draft, slots, k=4, eos=(EOS,), drafter="model") -> SpeculativeGenerator:
+    """An engine of `slots` slots on the lean path (target and draft each a LeanBatch of that many slots)."""
+    drafter_ = None
     if drafter == "model":
-        rows = BatchDraftModel(LeanBatch(LeanNet(draft), slots), target.config.vocab_size)
+        drafter_ = DraftModel(LeanBatch(LeanNet(draft), slots), target.config.vocab_size)
     elif drafter == "ngram":
-        rows = ProposerRows(lambda: NgramProposer(max_ngram=3, min_ngram=1))
-    return BatchGenerator(LeanBatch(LeanNet(target), slots), rows, solo.eos_token_ids, k)
+        drafter_ = LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1) for _ in range(slots)])
+    return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), drafter_, eos_token_ids=eos, num_draft_tokens=k,
+                                auto_policy=CostAwareK())
 
 
 def run_all(batch, reqs):
@@ -76,7 +79,7 @@ def test_lean_batch_rows_match_one_sequence(monkeypatch, layout):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan))
     monkeypatch.setattr(lean_module, "PACKED_WHEN_PADDING", 0 if layout == "padded" else 10**6)
     model = tiny_qwen2(3)
-    solo, batch = LeanModel(model), LeanBatch(LeanNet(model), 4)
+    solo, batch = Sequence(LeanBatch(LeanNet(model), 1)), LeanBatch(LeanNet(model), 4)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (5, 9, 3, 12)]
     for slot, prompt in enumerate(prompts):
@@ -144,7 +147,7 @@ def test_requests_joining_a_running_batch(pair, drafter):
         assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"])
 
 
-def _record_target_passes(batch: BatchGenerator) -> list[tuple[list[int], list[int]]]:
+def _record_target_passes(batch: SpeculativeGenerator) -> list[tuple[list[int], list[int]]]:
     """(rows' feed sizes, rows' kept logits) of every target pass the batch makes from now on."""
     passes, real = [], batch.target.forward_rows
 
@@ -262,13 +265,14 @@ def test_stops_and_logprobs_per_row(pair):
 
 
 def test_a_failed_round_leaves_a_clean_batch(pair, monkeypatch):
-    """A round that fails half-way (the second row's commit raises after the first row finished): cancel still
-    takes every row out (also one already marked done), abort empties the batch, and it decodes exactly again."""
+    """A round that fails half-way (the second row's settling raises after the first row's settled it as finished):
+    cancel still takes every row out (also one already marked done), abort empties the batch, and it decodes
+    exactly again."""
     target, draft = pair
     batch = make_batch(target, draft, 2, eos=())
     first = batch.add([1, 2], max_new_tokens=1)  # finishes in its first round
     second = batch.add([3, 4], max_new_tokens=10)
-    real, calls = batch_module.commit, []
+    real, calls = engine_module.settle, []
 
     def failing(*args):
         calls.append(1)
@@ -276,7 +280,7 @@ def test_a_failed_round_leaves_a_clean_batch(pair, monkeypatch):
             raise RuntimeError("boom")
         return real(*args)
 
-    monkeypatch.setattr(batch_module, "commit", failing)
+    monkeypatch.setattr(engine_module, "settle", failing)
     with pytest.raises(RuntimeError, match="boom"):
         batch.step()
     assert first.done  # marked done by its round, still holding its slot
@@ -375,7 +379,8 @@ def test_seed_reproduces_whatever_the_batch_mates(pair):
 
 
 def test_pipeline_generates_a_list_of_prompts():
-    """pipe.generate([...]) returns one Completion per prompt, each equal to its own generate (greedy)."""
+    """pipe.generate([...]) returns one Completion per prompt, each equal to its own generate (greedy): decoded
+    together where the pipeline batches (a draft model, a hybrid drafter), one at a time where it cannot (trees)."""
     target, draft, tok = text_pair()
     pipe = verispec.load(target, draft, tokenizer=tok, k=3)
     assert pipe.can_batch() is None
@@ -385,10 +390,14 @@ def test_pipeline_generates_a_list_of_prompts():
     for prompt, completion in zip(prompts, batched):
         single = pipe.generate(prompt, max_new_tokens=20)
         assert (completion.token_ids, completion.text) == (single.token_ids, single.text)
-    suffix = verispec.load(target, tokenizer=tok, drafter="hybrid", draft=draft)
-    assert "does not batch" in suffix.can_batch()
-    assert [c.token_ids for c in suffix.generate(prompts[:2], max_new_tokens=8)] == \
-        [suffix.generate(p, max_new_tokens=8).token_ids for p in prompts[:2]]
+    hybrid = verispec.load(target, tokenizer=tok, drafter="hybrid", draft=draft)
+    assert hybrid.can_batch() is None
+    assert [c.token_ids for c in hybrid.generate(prompts[:2], max_new_tokens=8)] == \
+        [hybrid.generate(p, max_new_tokens=8).token_ids for p in prompts[:2]]
+    tree = verispec.load(target, draft, tokenizer=tok, drafter="tree", draft_quant="none")
+    assert "token trees do not batch" in tree.can_batch()
+    assert [c.token_ids for c in tree.generate(prompts[:2], max_new_tokens=8)] == \
+        [tree.generate(p, max_new_tokens=8).token_ids for p in prompts[:2]]
 
 
 def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
@@ -400,11 +409,10 @@ def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
     target, draft, _ = text_pair()
     net = LeanNet(draft)
     quantize_model(net, "int4")
-    solo = make_engine(target, None, k=3, eos=())
 
     def batch(slots):
-        return BatchGenerator(LeanBatch(LeanNet(target), slots), BatchDraftModel(LeanBatch(net, slots), 264),
-                              solo.eos_token_ids, 3)
+        return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), DraftModel(LeanBatch(net, slots), 264),
+                                    eos_token_ids=(), num_draft_tokens=3)
 
     mine = dict(prompt_ids=[5, 6, 7], params=SamplingParams(temperature=1.0, seed=9), max_new_tokens=24)
     alone = run_all(batch(1), [mine])[0].token_ids

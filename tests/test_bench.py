@@ -140,14 +140,14 @@ def test_warm_history_times_a_turn_with_the_conversation_already_cached(pair_dir
 
     bench = _tiny_bench(pair_dirs)
     prompt = Prompt("81", "writing", "Now say it again.", True, ("Say something.",))
-    fed, prefill = [], SpeculativeGenerator._prefill
+    fed, admit = [], SpeculativeGenerator._admit
 
-    def recording(self, seq):
-        head, n = prefill(self, seq)
-        fed.append((len(seq), n))
-        return head, n
+    def recording(self, *args):  # (prompt tokens, those the slot's cache lacks: what the first round feeds)
+        row = admit(self, *args)
+        fed.append((len(row.seq), len(row.seq) - self.target.lengths[row.slot]))
+        return row
 
-    monkeypatch.setattr(SpeculativeGenerator, "_prefill", recording)
+    monkeypatch.setattr(SpeculativeGenerator, "_admit", recording)
     configs = [Config("verispec k=2", "spec", 2)]
     cold = run_benchmark(bench, [prompt], configs, SamplingParams(), max_new_tokens=6, warmup=0)
     answering = len(fed) - 2  # the history's answer (plain, untimed), then the two timed runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,12 +67,22 @@ def test_registries_name_every_backend_and_drafter():
     assert set(DRAFTERS) == {"model", "ngram", "suffix", "hybrid", "hybrid-suffix", "tree"}
     assert BACKENDS["hf"].draft_options and not BACKENDS["llamacpp"].draft_options
     assert {name for name, d in DRAFTERS.items() if d.needs_model} == {"model", "hybrid", "hybrid-suffix", "tree"}
+    draft = SimpleNamespace(slots=2)  # a draft Model of two slots, as far as making a drafter looks at it
+
+    def lookups(drafter, kind: str) -> list:
+        """The drafter's lookups, one per slot, all of `kind`."""
+        assert type(drafter).__name__ == "LookupDrafter" and len(drafter.lookups) == 2
+        assert {type(lookup).__name__ for lookup in drafter.lookups} == {kind}
+        return drafter.lookups
+
     for name, lookup in (("hybrid", "NgramProposer"), ("hybrid-suffix", "SuffixProposer")):
-        proposer = DRAFTERS[name].make(object(), 64)
-        assert type(proposer).__name__ == "HybridProposer" and proposer.model.vocab_size == 64
-        assert type(proposer.lookup).__name__ == lookup
-    assert type(DRAFTERS["ngram"].make(None, 64)).__name__ == "NgramProposer"
-    assert type(DRAFTERS["suffix"].make(None, 64)).__name__ == "SuffixProposer"
+        drafter = DRAFTERS[name].make(draft, 64, 2)
+        assert type(drafter).__name__ == "HybridDrafter" and drafter.model.vocab_size == 64
+        assert drafter.model.model is draft
+        lookups(drafter.lookup, lookup)
+    lookups(DRAFTERS["ngram"].make(None, 64, 2), "NgramProposer")
+    a, b = lookups(DRAFTERS["suffix"].make(None, 64, 2), "SuffixProposer")
+    assert a.history is b.history  # a process's suffix lookups draft from one history
 
 
 def test_build_loads_through_the_backend_registry(pair_dirs, monkeypatch):

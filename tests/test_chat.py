@@ -53,16 +53,24 @@ def test_streamed_pieces_equal_final_text(pair_dirs):
 def test_later_turns_reuse_the_cached_prefix(pair_dirs):
     bot = _bot(pair_dirs)
     target = bot.pipeline.generator.target
-    fed = []
-    forward = target.forward
-    target.forward = lambda tokens, last_only=False: fed.append(tokens.numel()) or forward(tokens, last_only)
+    fed = []  # per target pass: the prompt tokens it fed (a round's pass feeds the unseen prompt, then the k drafts
+    # whose logits it keeps along with the prompt's last: k + 1 kept)
+    forward = target.forward_rows
+
+    def recording(slots, feeds, last_only=False, keep=None):
+        kept = 1 if last_only else feeds[0].numel() if keep is None else keep[0]
+        fed.append(feeds[0].numel() - kept + 1)
+        return forward(slots, feeds, last_only, keep)
+
+    target.forward_rows = recording
     prompt1 = bot.prompt_ids("one")
     bot.generate_response("one")
     fed.clear()
     prompt2 = bot.prompt_ids("two")
     assert prompt2[: len(prompt1)] == prompt1
     bot.generate_response("two")
-    # the first turn's prompt was not encoded again: only the reply as re-rendered and the new turn
+    # the first turn's prompt was not encoded again: only the reply as re-rendered and the new turn (fed in the
+    # second turn's first round, with its drafts)
     assert fed[0] <= len(prompt2) - len(prompt1)
 
 

@@ -8,7 +8,7 @@ from stats_util import chi2_pvalue
 from tiny import make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
-from verispec.backends import HFModel
+from verispec.backends import HFModel, Sequence
 from verispec.core.draft import Draft
 
 ALPHA = 1e-4
@@ -76,7 +76,8 @@ def test_repetition_penalty_greedy_identical(pair):
 
 
 class _Counting:
-    """A Model that records the number of tokens of every forward call."""
+    """A one-slot Model that records the number of tokens of every forward call (slots, lengths, rollback, move
+    and reset are the wrapped model's)."""
 
     def __init__(self, model) -> None:
         self.model, self.calls = model, []
@@ -84,43 +85,41 @@ class _Counting:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    @property
-    def length(self) -> int:
-        return self.model.length
-
-    def forward(self, tokens, last_only=False):
-        self.calls.append(tokens.numel())
-        return self.model.forward(tokens, last_only)
+    def forward_rows(self, slots, feeds, last_only=False, keep=None):
+        assert slots == [0]
+        self.calls.append(feeds[0].numel())
+        return self.model.forward_rows(slots, feeds, last_only, keep)
 
 
 @pytest.mark.parametrize("drafter", ["none", "model", "silent"])
 def test_one_target_pass_per_round_prefill_included(pair, drafter):
-    """The prefill feeds the whole prompt and its last logits give the first token, as plain decoders do:
-    plain decoding of n tokens is n target passes (the prompt, then n - 1 single tokens), never n + 1; a
-    first round with drafts feeds only the drafts; k = auto with a drafter that never drafts is plain after
-    its cost-learning round."""
+    """The first round's one pass feeds the whole prompt and that round's drafts, and the logits at the
+    prompt's last position give the first token, as plain decoders do: plain decoding of n tokens is n target
+    passes (the prompt, then n - 1 single tokens), never n + 1; a first round with k drafts is ONE pass over
+    the prompt + k drafts; k = auto with a drafter that never drafts is plain after its cost-learning rounds."""
     from verispec.proposers import NgramProposer
 
-    class Silent(NgramProposer):  # an n-gram drafter that never finds a match
-        def propose(self, seq, k, depth=None):
+    class Silent(NgramProposer):  # an n-gram lookup that never finds a match
+        def propose(self, seq, k):
             return Draft(seq.device_ids.new_empty(0), None)
 
     target, draft = pair
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = make_engine(target).generate(prompt, max_new_tokens=12).token_ids
-    engine = make_engine(target, draft if drafter == "model" else None, k=3)
+    engine = make_engine(target, draft if drafter == "model" else None, k=3,
+                         drafter=Silent() if drafter == "silent" else "model")
     if drafter == "silent":
-        engine.proposer, engine.num_draft_tokens = Silent(), "auto"
+        engine.num_draft_tokens = "auto"
     engine.target = counting = _Counting(engine.target)
     result = engine.generate(prompt, max_new_tokens=12)
     assert result.token_ids == plain
-    assert counting.calls[0] == len(prompt)
     assert result.stats.target_forwards == len(counting.calls)
     if drafter == "model":
-        assert counting.calls[1] == 3  # the first round's drafts alone: the prefill gave their first row
+        assert counting.calls[0] == len(prompt) + 3  # the prompt and the first round's drafts, in one pass
+        assert counting.calls[1] == 1 + 3  # then the last committed token and the drafts
         assert result.stats.drafted > 0
-    elif drafter == "silent":  # k = auto learns the k = 1 cost from one free guess (a 2-token pass)
-        assert counting.calls[:3] == [len(prompt), 1, 2] and set(counting.calls[3:]) == {1}
+    elif drafter == "silent":  # k = auto: the prompt's pass, a plain pass (t_verify(0)), then one free guess
+        assert counting.calls[:3] == [len(prompt), 1, 2] and set(counting.calls[3:]) == {1}  # (a 2-token pass)
         assert result.stats.drafted == 1 and result.stats.draft_forwards == 0
     else:
         assert counting.calls == [len(prompt)] + [1] * 11
@@ -143,8 +142,8 @@ def test_prefix_reuse_still_feeds_the_last_token(pair):
 def test_rollback_then_decode_equals_fresh(pair):
     target, _ = pair
     seq = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
-    fresh = HFModel(target).forward(seq)
-    m = HFModel(target)
+    fresh = Sequence(HFModel(target)).forward(seq)
+    m = Sequence(HFModel(target))
     m.forward(seq[:5])
     m.forward(torch.tensor([60, 61, 62]))  # rejected drafts
     m.rollback(5)
@@ -195,7 +194,7 @@ def test_stream_chunks_concatenate_to_result(pair):
     target, draft = pair
     gen = make_engine(target, draft, k=4).stream([1, 2, 3], max_new_tokens=25)
     chunks = list(gen)
-    assert sum(chunks, []) == gen.result.token_ids
+    assert [t for chunk in chunks for t in chunk] == gen.result.token_ids
     assert all(1 <= len(c) <= 5 for c in chunks)
 
 
@@ -306,9 +305,9 @@ def test_loop_marginals_match_target(small_vocab_pair, params):
 
 
 def test_loop_marginals_with_cost_learning_rounds(small_vocab_pair):
-    """k = auto from a fresh policy every generation: two plain rounds, a round that verifies a free guess (a
-    filler round, q one-hot), the draft's timed step (reported as free here, so that it drafts), then model
-    drafts. Tokens 1-5 follow the target's exact marginals (N = 3000, V = 8; false-failure probability 5e-4)."""
+    """k = auto from a fresh policy every generation: two plain rounds (the first one's pass feeds the prompt),
+    a round that verifies a free guess (a filler round, q one-hot), the draft's timed step (reported as free
+    here, so that it drafts), then model drafts. Tokens 1-5 follow the target's exact marginals (N = 3000, V = 8; false-failure probability 5e-4)."""
     from verispec.decoding.policies.cost_aware import CostAwareK
 
     target, draft = small_vocab_pair
@@ -317,7 +316,7 @@ def test_loop_marginals_with_cost_learning_rounds(small_vocab_pair):
     counts = torch.zeros(steps, 8, dtype=torch.long)
     eng = make_engine(target, draft, k="auto")
     timed = eng._time_draft_step
-    eng._time_draft_step = lambda seq, stats: timed(seq, stats) and 1e-9
+    eng._time_draft_step = lambda row: timed(row) and 1e-9
     learned = drafted = 0
     for i in range(3000):
         eng.k_policy = CostAwareK(k_max=4)

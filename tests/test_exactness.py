@@ -23,7 +23,7 @@ from verispec.core.sampling import SamplingParams, probs_from_logits
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.pipeline.text import TextAssembler
-from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer
 
 ALPHA = 1e-4
 N = 6000
@@ -39,19 +39,23 @@ class MappedLogits:
     def __init__(self, model: HFModel, fn) -> None:
         self.model, self.fn = model, fn
         self.device, self.vocab_size, self.max_length = model.device, model.vocab_size, model.max_length
+        self.slots = model.slots
 
     @property
-    def length(self) -> int:
-        return self.model.length
+    def lengths(self) -> list[int]:
+        return self.model.lengths
 
-    def forward(self, tokens, last_only=False):
-        return self.fn(self.model.forward(tokens, last_only))
+    def forward_rows(self, slots, feeds, last_only=False, keep=None):
+        return [self.fn(logits) for logits in self.model.forward_rows(slots, feeds, last_only, keep)]
 
-    def rollback(self, length):
-        self.model.rollback(length)
+    def rollback(self, slot, length):
+        self.model.rollback(slot, length)
 
-    def reset(self):
-        self.model.reset()
+    def move(self, src, dst):
+        self.model.move(src, dst)
+
+    def reset(self, slot=None):
+        self.model.reset(slot)
 
 
 def rounded(logits: torch.Tensor, grid: float = 0.5) -> torch.Tensor:
@@ -107,8 +111,8 @@ def pair():
     return target, perturbed(target, seed=12, noise=0.5)
 
 
-def _engine(target, proposer, k=2):
-    return SpeculativeGenerator(target, proposer, num_draft_tokens=k, auto_policy=CostAwareK())
+def _engine(target, drafter, k=2):
+    return SpeculativeGenerator(target, drafter, num_draft_tokens=k, auto_policy=CostAwareK())
 
 
 # -- the loop's marginals under each sampling option and draft kind ---------------------------------------
@@ -119,7 +123,7 @@ def test_top_p_with_tied_logits(pair):
     2-5 of 8 tokens, and a verify row (k + 1 rows at once) must cut exactly as plain decoding's one row."""
     target, draft = pair
     params = SamplingParams(temperature=1.0, top_p=0.6)
-    engine = _engine(MappedLogits(HFModel(target), rounded), DraftModelProposer(MappedLogits(HFModel(draft), rounded), 8))
+    engine = _engine(MappedLogits(HFModel(target), rounded), DraftModel(MappedLogits(HFModel(draft), rounded), 8))
     exact = exact_marginals(hf_logits(target, rounded), PROMPT, params, STEPS, 8)
     assert all(int((m > 0).sum()) >= 2 for m in exact)  # not a point mass: the nucleus matters
     assert_marginals(histograms(engine, params), exact)
@@ -144,9 +148,9 @@ def test_hybrid_drafter_under_sampling(pair):
     """n-gram drafts (q one-hot) when the context repeats, sampled model drafts otherwise, in one loop."""
     target, draft = pair
     params = SamplingParams(temperature=1.0)
-    proposer = HybridProposer(NgramProposer(max_ngram=2, min_ngram=1, min_confident=1),
-                              DraftModelProposer(HFModel(draft), 8))
-    engine = _engine(HFModel(target), proposer)
+    drafter = HybridDrafter(LookupDrafter([NgramProposer(max_ngram=2, min_ngram=1, min_confident=1)]),
+                            DraftModel(HFModel(draft), 8))
+    engine = _engine(HFModel(target), drafter)
     exact = exact_marginals(hf_logits(target), PROMPT, params, STEPS, 8)
     counts = histograms(engine, params, seed0=30_000)
     assert_marginals(counts, exact)
@@ -191,9 +195,9 @@ def text_pair():
 
 def _generate(text_pair, k, stops=(), eos=(), max_new=40):
     target, allowed, tok = text_pair
-    letters = lambda logits: logits.masked_fill(~allowed, float("-inf"))  # noqa: E731
-    proposer = DraftModelProposer(MappedLogits(HFModel(copy.deepcopy(target)), letters), 264) if k else None
-    engine = SpeculativeGenerator(MappedLogits(HFModel(target), letters), proposer, eos_token_ids=eos,
+    letters = lambda logits: logits.masked_fill(~allowed, float("-inf"))
+    drafter = DraftModel(MappedLogits(HFModel(copy.deepcopy(target)), letters), 264) if k else None
+    engine = SpeculativeGenerator(MappedLogits(HFModel(target), letters), drafter, eos_token_ids=eos,
                                   num_draft_tokens=k)
     asm = TextAssembler(tok, stop=stops)
     out = engine.generate(tok("fn ").input_ids, max_new_tokens=max_new, stop=asm.stop_index if stops else None)
@@ -203,7 +207,7 @@ def _generate(text_pair, k, stops=(), eos=(), max_new=40):
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_overlapping_and_multi_token_stops_match_plain(text_pair, k):
-    plain, text = _generate(text_pair, 0)
+    _, text = _generate(text_pair, 0)
     assert len(text) >= 12 and text.isascii()
     for stops in (
         [text[5:9], text[7]],  # a 4-token stop and a 1-token stop inside it: the short one completes first

@@ -11,12 +11,17 @@ from test_engine import ALPHA, _engine_histograms, _exact_marginals
 from tiny import make_engine, perturbed, tiny_qwen2
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from verispec.backends import HFModel
+from verispec.backends import HFModel, Sequence
 from verispec.backends import lean as lean_module
-from verispec.backends.lean import LeanModel, lean_unsupported
+from verispec.backends.lean import LeanBatch, LeanNet, lean_unsupported
 from verispec.backends.quant import quantize_model
 from verispec.backends.vocab import restrict_head
 from verispec.core.sampling import SamplingParams
+
+
+def lean_model(model) -> LeanBatch:
+    """A one-slot lean Model over a transformers model."""
+    return LeanBatch(LeanNet(model), slots=1)
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
@@ -36,7 +41,7 @@ def test_logits_match_transformers(arch):
     """Prefill, single-token steps, a multi-token chunk after a rollback and last_only: the same logits as
     transformers' forward (fp32)."""
     model = MODELS[arch]()
-    hf, lean = HFModel(model), LeanModel(copy.deepcopy(model))
+    hf, lean = Sequence(HFModel(model)), Sequence(lean_model(copy.deepcopy(model)))
     tokens = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(lean.forward(tokens[:12]), hf.forward(tokens[:12]), atol=1e-5, rtol=1e-4)
     for i in range(12, 30):
@@ -51,7 +56,7 @@ def test_logits_match_transformers(arch):
 def test_cache_growth_and_rollback_equal_fresh(monkeypatch):
     """A cache that doubles several times, then rollback-then-decode: equal to one fresh pass."""
     monkeypatch.setattr(lean_module, "FIRST_CAPACITY", 4)
-    lean = LeanModel(tiny_qwen2(3))
+    lean = Sequence(lean_model(tiny_qwen2(3)))
     tokens = torch.randint(0, 64, (50,), generator=torch.Generator().manual_seed(1))
     for i in range(0, 37, 3):  # chunks of 3 across capacities 4, 8, 16, 32, 64
         lean.forward(tokens[i : i + 3])
@@ -63,8 +68,9 @@ def test_cache_growth_and_rollback_equal_fresh(monkeypatch):
 
 
 def test_context_limit_and_bad_rollback():
-    lean = LeanModel(tiny_qwen2(4))
-    lean.max_length = 10
+    batch = lean_model(tiny_qwen2(4))
+    batch.max_length = 10
+    lean = Sequence(batch)
     lean.forward(torch.arange(8))
     with pytest.raises(ValueError, match="exceeds the model's context of 10"):
         lean.forward(torch.arange(3))
@@ -76,7 +82,7 @@ def test_unsupported_architecture_is_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
     assert "gpt2" in lean_unsupported(gpt2)
     with pytest.raises(ValueError, match="model type 'gpt2'.*use the transformers forward"):
-        LeanModel(gpt2)
+        LeanNet(gpt2)
     assert lean_unsupported(tiny_qwen2(1)) is None and lean_unsupported(tiny_llama(1)) is None
 
 
@@ -90,7 +96,7 @@ def pair():
 @pytest.mark.parametrize("k", [1, 4])
 def test_lean_draft_greedy_identical(pair, k, quant):
     target, draft = pair
-    lean = LeanModel(copy.deepcopy(draft))
+    lean = lean_model(copy.deepcopy(draft))
     quantize_model(lean.net, quant)
     plain = make_engine(target).generate([3, 1, 4], max_new_tokens=40)
     spec = make_engine(target, lean, k=k).generate([3, 1, 4], max_new_tokens=40)
@@ -100,7 +106,7 @@ def test_lean_draft_greedy_identical(pair, k, quant):
 def test_lean_reduced_head_scores_only_the_subset(pair):
     _, draft = pair
     ids = torch.tensor([0, 5, 9, 63])
-    lean = LeanModel(restrict_head(copy.deepcopy(draft), ids))
+    lean = Sequence(lean_model(restrict_head(copy.deepcopy(draft), ids)))
     logits = lean.forward(torch.tensor([3, 1, 4]))
     assert lean.vocab_size == 64 and logits.shape == (3, 64)
     outside = torch.ones(64, dtype=torch.bool)
@@ -118,7 +124,7 @@ def test_lean_draft_loop_marginals(small_vocab_pair):
     """Sampling with a lean int4 draft: tokens 1-3 follow the target's exact marginals (N = 3000, V = 8;
     false-failure probability 3e-4)."""
     target, draft = small_vocab_pair
-    lean = LeanModel(copy.deepcopy(draft))
+    lean = lean_model(copy.deepcopy(draft))
     quantize_model(lean.net, "int4")
     params = SamplingParams(temperature=1.0)
     exact = _exact_marginals(target, [3, 1, 2], params, 3)

@@ -10,7 +10,7 @@ import verispec.backends.linear
 from verispec.assembly.build import build
 from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.backends import HFModel
-from verispec.backends.lean import LeanModel
+from verispec.backends.lean import LeanBatch
 from verispec.backends.linear import (
     ORIENT_MAX_ROWS,
     ORIENT_MIN_WEIGHT,
@@ -80,7 +80,7 @@ def test_models_verispec_loads_are_oriented_in_fp32_only(pair_dirs, any_weight):
     target, draft = pair_dirs
     pipe = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"),
                  DraftSpec("model", draft, quant="none", forward="lean"), 4)
-    assert isinstance(pipe.generator.target, HFModel) and isinstance(pipe.draft_model, LeanModel)
+    assert isinstance(pipe.generator.target, HFModel) and isinstance(pipe.draft_model, LeanBatch)
     for module in (pipe.generator.target.model, pipe.draft_model.net):  # the lean net's fused layers too
         kinds = _linears(module)
         assert kinds and set(kinds) == {OrientedLinear}

@@ -1,8 +1,10 @@
 """verispec's llama.cpp kernels (native/llama.cpp-kernels.patch): what a process reports about them, the exact
-(batch-invariant) mode's rules, and, on the real GGUFs, that a pass over n tokens gives bitwise the logits of n
-one-token passes: with exact kernels for every weight type, and by default for Q4_K/Q6_K weights (the
-multi-column kernels, one-token attention not split). llama.cpp reads its kernel switches once per process, so
-the passes run in child processes."""
+(batch-invariant) mode's rules, and, on the real GGUFs, that a token's logits do not depend on the pass it is in:
+a pass over n tokens gives bitwise the logits of n one-token passes, and several sequences decoded in one context
+(prompts and drafts side by side, rolled back, in any order) each get bitwise what they get alone. With exact
+kernels for every weight type, and by default for Q4_K/Q6_K weights (the multi-column kernels, attention on its
+one-row kernel, each sequence's cells in the order of its positions). llama.cpp reads its kernel switches once per
+process, so the passes run in child processes."""
 
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ def system_info(monkeypatch):
         monkeypatch.setattr(llamacpp, "import_llama_cpp", lambda: _FakeLlamaCpp(info))
 
     monkeypatch.setattr(llamacpp, "_opened", False)
-    monkeypatch.delenv(llamacpp.ENV_EXACT, raising=False)
-    monkeypatch.delenv(llamacpp.ENV_SPLIT_KV, raising=False)
+    for name in (llamacpp.ENV_EXACT, llamacpp.ENV_SPLIT_KV, llamacpp.ENV_FA_TILED, llamacpp.ENV_KV_INTERLEAVE):
+        monkeypatch.delenv(name, raising=False)
     return use
 
 
@@ -54,7 +56,8 @@ def test_kernels_read_from_the_features_list(system_info):
     system_info(AVX2_BUILD)
     assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol=False, amx=False, exact=0)
     system_info(STOCK_BUILD)
-    assert llamacpp.kernels() == llamacpp.Kernels(None, multicol=False, amx=True, exact=0, split_kv=True)
+    assert llamacpp.kernels() == llamacpp.Kernels(None, multicol=False, amx=True, exact=0, split_kv=True,
+                                                  tiled_fa=True, interleave=False)
 
 
 def test_each_kernel_state_says_why_in_one_line(system_info):
@@ -63,24 +66,46 @@ def test_each_kernel_state_says_why_in_one_line(system_info):
     system_info(AVX2_BUILD)
     assert "lacks AVX512-VNNI" in llamacpp.kernels().describe()
     system_info(STOCK_BUILD)
-    line = llamacpp.kernels().describe()
-    assert "make install-llamacpp" in line and "AMX" in line and "round differently" in line
-    for line in (llamacpp.Kernels("k", True, False, 16).describe(), llamacpp.Kernels(None, False, False, 0).describe()):
+    line = llamacpp.kernels().describe(["Q4_K"])
+    assert "make install-llamacpp" in line and "AMX" in line and "not batch-invariant" in line
+    for line in (llamacpp.Kernels("k", True, False, 512).describe(), llamacpp.Kernels(None, False, False, 0).describe()):
         assert line.startswith("llama.cpp: ") and "\n" not in line
-    assert "batch-invariant up to 16 tokens" in llamacpp.Kernels("k", True, False, 16).describe()
-    assert "round differently" in llamacpp.Kernels("k", True, False, 0, split_kv=True).describe()
-    assert "round differently" not in llamacpp.Kernels("k", True, False, 0).describe()
+    assert "exact kernels for every weight type" in llamacpp.Kernels("k", True, False, 512).describe()
 
 
-def test_one_token_attention_unsplit_unless_asked(system_info, monkeypatch):
+def test_batch_invariance_said_per_weight_types():
+    """Q4_K/Q6_K weights are batch-invariant on the multi-column kernels; other types only with exact kernels;
+    any switch that makes attention depend on its pass, AMX or a CPU without the kernels says why not."""
+    default = llamacpp.Kernels("k", multicol=True, amx=False, exact=0)
+    assert default.variance({"Q4_K", "Q6_K"}) is None
+    assert default.describe({"Q4_K", "Q6_K"}).endswith("; batch-invariant")
+    assert "Q4_1" in default.variance({"Q4_K", "Q4_1"}) and "--exact-kernels" in default.variance({"Q4_1"})
+    assert "not repacked" in default.variance({"Q4_K (not repacked)"})
+    assert llamacpp.Kernels("k", True, False, 512).variance({"Q4_1", "Q8_0"}) is None
+    for kernels, why in ((llamacpp.Kernels("k", True, False, 0, split_kv=True), "attention"),
+                         (llamacpp.Kernels("k", True, False, 0, tiled_fa=True), "attention"),
+                         (llamacpp.Kernels("k", True, False, 0, interleave=False), "attention"),
+                         (llamacpp.Kernels("k", True, True, 0), "AMX"),
+                         (llamacpp.Kernels("k", False, False, 0), "AVX512-VNNI"),
+                         (llamacpp.Kernels(None, False, False, 0), "stock")):
+        assert why in kernels.variance({"Q4_K"}), kernels
+
+
+def test_attention_switches_batch_invariant_unless_asked(system_info, monkeypatch):
     system_info(VERISPEC_BUILD)
-    monkeypatch.delenv(llamacpp.ENV_SPLIT_KV, raising=False)
-    assert not llamacpp.kernels().split_kv
+    for name in (llamacpp.ENV_SPLIT_KV, llamacpp.ENV_FA_TILED, llamacpp.ENV_KV_INTERLEAVE):
+        monkeypatch.delenv(name, raising=False)
+    kernels = llamacpp.kernels()
+    assert not kernels.split_kv and not kernels.tiled_fa and kernels.interleave
     monkeypatch.setenv(llamacpp.ENV_SPLIT_KV, "1")
-    assert llamacpp.kernels().split_kv
-    system_info(STOCK_BUILD)  # stock llama.cpp always splits
-    monkeypatch.delenv(llamacpp.ENV_SPLIT_KV)
-    assert llamacpp.kernels().split_kv
+    monkeypatch.setenv(llamacpp.ENV_FA_TILED, "1")
+    monkeypatch.setenv(llamacpp.ENV_KV_INTERLEAVE, "0")
+    kernels = llamacpp.kernels()
+    assert kernels.split_kv and kernels.tiled_fa and not kernels.interleave
+    system_info(STOCK_BUILD)  # stock llama.cpp always splits and tiles
+    for name in (llamacpp.ENV_SPLIT_KV, llamacpp.ENV_FA_TILED, llamacpp.ENV_KV_INTERLEAVE):
+        monkeypatch.delenv(name)
+    assert llamacpp.kernels().split_kv and llamacpp.kernels().tiled_fa
 
 
 def test_exact_kernels_switch_the_process_before_any_model_opens(system_info):
@@ -106,7 +131,7 @@ def test_exact_kernels_need_verispecs_build(system_info):
         llamacpp.use_exact_kernels()
 
 
-def test_exact_kernels_are_llama_cpps_and_cover_k_up_to_15():
+def test_exact_kernels_are_llama_cpps_and_cover_every_pass():
     hf = TargetSpec("m", backend="hf", exact_kernels=True)
     with pytest.raises(SpecError) as err:
         _check_exact_kernels(hf, 4)
@@ -128,15 +153,16 @@ def test_exact_kernels_are_llama_cpps_and_cover_k_up_to_15():
 # cache; report per width whether the logits are bitwise equal and how far apart they are.
 _PASSES = textwrap.dedent("""
     import json, sys, torch
+    from verispec.backends.base import Sequence
     from verispec.backends.llamacpp import LlamaCppModel, kernels, use_exact_kernels
     from verispec.backends.loading import resolve_gguf
     name, context, exact = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "exact"
     if exact:
         use_exact_kernels()
-    model = LlamaCppModel(resolve_gguf(name), n_ctx=1024)
+    model = Sequence(LlamaCppModel(resolve_gguf(name), n_ctx=1024))
     model.forward(torch.arange(1000, 1000 + context) % model.vocab_size, last_only=True)
     tokens = torch.tensor([(2000 + 37 * i) % model.vocab_size for i in range(16)])
-    out = {"kernels": kernels().describe(), "multicol": kernels().multicol, "widths": {}}
+    out = {"kernels": kernels().describe(model.model.weight_types), "multicol": kernels().multicol, "widths": {}}
     for n in (2, 3, 5, 9, 16):
         model.rollback(context)
         batch = model.forward(tokens[:n])
@@ -146,17 +172,88 @@ _PASSES = textwrap.dedent("""
     print(json.dumps(out))
 """)
 
+# Three sequences (prompts of 70, 5 and 130 tokens) decoded alone, one token a pass; then together in one
+# 4-slot context: the three prompts in one pass (in slots 2, 0, 1), then 12 rounds in which each feeds its next
+# token and 0-5 junk drafts that are rolled back. Report per sequence whether every position's logits are bitwise
+# those it got alone.
+_BATCHED = textwrap.dedent("""
+    import json, random, sys, torch
+    from verispec.backends.base import Sequence
+    from verispec.backends.llamacpp import LlamaCppModel, kernels, use_exact_kernels
+    from verispec.backends.loading import resolve_gguf
+    name, exact = sys.argv[1], sys.argv[2] == "exact"
+    if exact:
+        use_exact_kernels()
+    solo = LlamaCppModel(resolve_gguf(name), n_ctx=1024)
+    rng = random.Random(0)
+    vocab = min(solo.vocab_size, 20000)
+    prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in (70, 5, 130)]
+    nexts = [[rng.randrange(100, vocab) for _ in range(12)] for _ in prompts]
+    alone = []
+    for p, c in zip(prompts, nexts):
+        seq = Sequence(solo)
+        seq.reset()
+        alone.append(torch.cat([seq.forward(torch.tensor(p), last_only=True)]
+                               + [seq.forward(torch.tensor([t])) for t in c]))
+    multi = solo.with_slots(4)
+    slots = [2, 0, 1]
+    got = [[row] for row in multi.forward_rows(slots, [torch.tensor(p) for p in prompts], last_only=True)]
+    for j in range(12):
+        feeds = [torch.tensor([c[j]] + [rng.randrange(100, vocab) for _ in range(rng.randrange(6))]) for c in nexts]
+        for b, row in enumerate(multi.forward_rows(slots, feeds)):
+            got[b].append(row[:1])
+            multi.rollback(slots[b], multi.lengths[slots[b]] - feeds[b].numel() + 1)
+    same = [torch.equal(torch.cat(g), a) for g, a in zip(got, alone)]
+    print(json.dumps({"kernels": kernels().describe(solo.weight_types), "same": same,
+                      "invariant": solo.batch_invariant}))
+""")
+
+
+def _child(script: str, *args: str, **env: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("VERISPEC_GGML_", "VERISPEC_KV_"))}
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                         env={**base, **env, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
 
 def _passes(name: str, context: int, mode: str, **env: str) -> dict:
     from verispec.names.models import installed
 
     if installed(name) is None:
         pytest.fail(f"{name} is not installed; run `make setup`")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("VERISPEC_GGML_")}
-    run = subprocess.run([sys.executable, "-c", _PASSES, name, str(context), mode], capture_output=True, text=True,
-                         env={**base, **env, "HF_HUB_OFFLINE": "1"}, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return _child(_PASSES, name, str(context), mode, **env)
+
+
+def _batched(name: str, mode: str, **env: str) -> dict:
+    from verispec.names.models import installed
+
+    if installed(name) is None:
+        pytest.fail(f"{name} is not installed; run `make setup`")
+    return _child(_BATCHED, name, mode, **env)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name, mode", [(DEFAULT_TARGET, "default"), ("smollm2-135m-instruct", "exact")])
+def test_sequences_batched_in_one_context_get_bitwise_their_logits_alone(name, mode):
+    """The 1.5B's Q4_K/Q6_K weights by default, SmolLM2's Q4_1 weights with exact kernels: every position of
+    every sequence equals its solo one-token pass, whatever the rows beside it, the slot it is in and the junk
+    drafts its batch mates rolled back; the process says the model is batch-invariant."""
+    result = _batched(name, mode)
+    if mode == "default" and "multi-column" not in result["kernels"]:
+        pytest.skip(f"no multi-column kernels here: {result['kernels']}")
+    assert result["same"] == [True, True, True] and result["invariant"], result
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("env", [{llamacpp.ENV_FA_TILED: "1"}, {llamacpp.ENV_KV_INTERLEAVE: "0"}])
+def test_batched_logits_differ_without_the_attention_switches(env):
+    """The negative control: with flash attention's tiled kernel (the 205-row prompt pass takes it) or with
+    llama.cpp's own cell placement (a sequence's new cells land in the holes its mates' rollbacks left, before
+    its older ones), some sequence's logits differ from its solo ones, and the process says why."""
+    result = _batched(DEFAULT_TARGET, "default", **env)
+    assert not all(result["same"]) and not result["invariant"], result
+    assert "not batch-invariant" in result["kernels"]
 
 
 @pytest.mark.integration
@@ -166,7 +263,7 @@ def test_exact_kernels_make_a_pass_over_n_tokens_equal_n_one_token_passes(name):
     and sum it in another order than a wider pass. The 1.5B's Q4_K/Q6_K weights run verispec's multi-column
     kernels (or one-column ones), SmolLM2's Q4_1 weights one-column kernels, so both paths are covered."""
     result = _passes(name, 300, "exact")
-    assert "batch-invariant up to 16 tokens" in result["kernels"]
+    assert "exact kernels for every weight type" in result["kernels"] and "; batch-invariant" in result["kernels"]
     assert all(same for same, _ in result["widths"].values()), result["widths"]
 
 
@@ -185,7 +282,7 @@ def test_split_one_token_attention_breaks_the_identity():
     """The negative control of the two tests above: with llama.cpp's split-KV one-token attention the same
     passes differ, so those tests can fail."""
     result = _passes(DEFAULT_TARGET, 300, "default", **{llamacpp.ENV_SPLIT_KV: "1"})
-    assert "round differently" in result["kernels"]
+    assert "not batch-invariant" in result["kernels"]
     assert not any(same for same, _ in result["widths"].values()), result["widths"]
 
 

@@ -1,5 +1,6 @@
 """The llama.cpp backend on a real GGUF (SmolLM2-135M, Q4_1, from the verispec cache): rollback, greedy
-identity (llama.cpp target and/or draft, every drafter), per-position distributions, the CLI."""
+identity (llama.cpp target and/or draft, every drafter), per-position distributions alone and in a batch of
+several sequences sharing one context, the CLI."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 from stats_util import chi2_pvalue
 
 from verispec import SamplingParams
-from verispec.backends import HFModel
+from verispec.backends import HFModel, Sequence
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.decoding.policies.cost_aware import CostAwareK
-from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from verispec.decoding.request import Request
+from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer
 
 pytestmark = pytest.mark.integration
 
@@ -97,6 +99,7 @@ def _plain_llama_cpp(llm, ids: list[int], n: int) -> list[int]:
 
 def test_rollback_then_decode_equals_fresh(llama, prompt):
     ids = torch.tensor(prompt)
+    llama = Sequence(llama)
     llama.reset()
     fresh = llama.forward(ids)
     assert fresh.shape == (len(prompt), llama.vocab_size) and fresh.dtype == torch.float32
@@ -117,6 +120,7 @@ def test_batched_matches_single_token_decode(llama, prompt):
     """llama.cpp's batched evaluation (verification) against one token at a time (plain decoding): same
     argmax on every position; the logits may differ in the last bits (kernel choice by batch size)."""
     ids = torch.tensor(prompt[:24])
+    llama = Sequence(llama)
     llama.reset()
     batched = llama.forward(ids)
     llama.reset()
@@ -127,6 +131,7 @@ def test_batched_matches_single_token_decode(llama, prompt):
 
 
 def test_bad_input(llama):
+    llama = Sequence(llama)
     llama.reset()
     with pytest.raises(ValueError):
         llama.forward(torch.tensor([llama.vocab_size]))
@@ -179,10 +184,10 @@ def test_llama_target_greedy_identical(llama, llama_draft, hf_model, prompt, dra
     plain = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=n)
     reference = _plain_llama_cpp(llama.llm, prompt, n)
     llama.reset()
-    model_proposer = DraftModelProposer(llama_draft if drafter == "llama" else HFModel(hf_model), llama.vocab_size)
-    proposer = {"ngram": NgramProposer(), "hybrid": HybridProposer(NgramProposer(), model_proposer)}.get(
-        drafter, model_proposer)
-    spec = SpeculativeGenerator(llama, proposer, num_draft_tokens=k).generate(prompt, max_new_tokens=n)
+    model_drafter = DraftModel(llama_draft if drafter == "llama" else HFModel(hf_model), llama.vocab_size)
+    lookup = LookupDrafter([NgramProposer()])
+    chosen = {"ngram": lookup, "hybrid": HybridDrafter(lookup, model_drafter)}.get(drafter, model_drafter)
+    spec = SpeculativeGenerator(llama, chosen, num_draft_tokens=k).generate(prompt, max_new_tokens=n)
     assert plain.token_ids == reference
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted > 0
@@ -195,16 +200,16 @@ def test_llama_draft_hf_target_greedy_identical(llama_draft, hf_model, prompt, k
     """Mixed backends: llama.cpp drafts for a transformers target; output = the transformers target's."""
     target = HFModel(hf_model)
     plain = SpeculativeGenerator(target).generate(prompt, max_new_tokens=40)
-    proposer = DraftModelProposer(llama_draft, target.vocab_size)
-    spec = SpeculativeGenerator(target, proposer, num_draft_tokens=k).generate(prompt, max_new_tokens=40)
+    drafter = DraftModel(llama_draft, target.vocab_size)
+    spec = SpeculativeGenerator(target, drafter, num_draft_tokens=k).generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.acceptance_rate > 0.5
 
 
 def test_auto_k_on_llama(llama, llama_draft, prompt):
-    proposer = DraftModelProposer(llama_draft, llama.vocab_size)
+    drafter = DraftModel(llama_draft, llama.vocab_size)
     plain = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=40)
-    spec = SpeculativeGenerator(llama, proposer, num_draft_tokens="auto", auto_policy=CostAwareK())
+    spec = SpeculativeGenerator(llama, drafter, num_draft_tokens="auto", auto_policy=CostAwareK())
     spec = spec.generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
 
@@ -217,6 +222,7 @@ def _marginals(model, prompt: list[int], params: SamplingParams, steps: int = 2)
     the enumeration small)."""
     from verispec.core.sampling import probs_from_logits
 
+    model = Sequence(model)
     model.reset()
     p1 = probs_from_logits(model.forward(torch.tensor(prompt), last_only=True), params)[0].double()
     marginals = [p1]
@@ -249,7 +255,7 @@ def test_llama_target_marginals(llama, noisy_hf, prompt):
     marginals (N = 400 generations, V = 49,152 pooled by expected count; detects TV >= ~0.1;
     false-failure probability 2e-4)."""
     exact = _marginals(llama, prompt, PARAMS)
-    engine = SpeculativeGenerator(llama, DraftModelProposer(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
+    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
     counts = _histograms(engine, prompt, PARAMS, n=N_GEN)
     assert 0.2 < engine_acceptance(engine, prompt) < 0.98  # both paths exercised
     for pos in range(2):
@@ -260,7 +266,7 @@ def test_llama_draft_marginals(llama_draft, noisy_hf, prompt):
     """Mixed: a llama.cpp draft for a (noisy) transformers target; tokens 1-2 follow the target's marginals."""
     target = HFModel(noisy_hf)
     exact = _marginals(target, prompt, PARAMS)
-    engine = SpeculativeGenerator(target, DraftModelProposer(llama_draft, target.vocab_size), num_draft_tokens=2)
+    engine = SpeculativeGenerator(target, DraftModel(llama_draft, target.vocab_size), num_draft_tokens=2)
     counts = _histograms(engine, prompt, PARAMS, n=N_GEN, seed0=50_000)
     for pos in range(2):
         assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
@@ -276,8 +282,56 @@ def test_llama_negative_control_fails(llama, noisy_hf, prompt, monkeypatch):
 
     exact = _marginals(llama, prompt, PARAMS)
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
-    engine = SpeculativeGenerator(llama, DraftModelProposer(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
+    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
     counts = _histograms(engine, prompt, PARAMS, n=N_GEN // 2)
+    assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN // 2) for pos in range(2)) < ALPHA
+
+
+def _batched_histograms(engine, prompt, params, n, steps=2, seed0=0):
+    """The first `steps` tokens of n generations, decoded `engine.max_batch` at a time in one engine (each its own
+    seed), the slots refilled as rows finish."""
+    counts = torch.zeros(steps, engine.target.vocab_size, dtype=torch.long)
+    waiting, rows = list(range(n)), []
+    while waiting or engine.active:
+        while waiting and engine.free_slots:
+            i = waiting.pop()
+            seeded = SamplingParams(**{**params.__dict__, "seed": seed0 + i})
+            rows.append(engine.add(Request(prompt_ids=tuple(prompt), params=seeded, max_new_tokens=steps)))
+        engine.step()
+    for row in rows:
+        for pos, tok in enumerate(row.result.token_ids):
+            counts[pos, tok] += 1
+    return counts
+
+
+def _batch_engine(llama, noisy_hf, slots: int = 4) -> SpeculativeGenerator:
+    from verispec.backends.lean import LeanBatch, LeanNet
+
+    draft = DraftModel(LeanBatch(LeanNet(noisy_hf), slots), llama.vocab_size)
+    return SpeculativeGenerator(llama.with_slots(slots), draft, num_draft_tokens=2)
+
+
+def test_llama_batch_marginals_per_row(llama, noisy_hf, prompt):
+    """Four sequences at a time in one llama.cpp context (a noisy lean draft for each): every row's tokens 1-2
+    follow the target's exact marginals (N = 400 generations; detects TV >= ~0.1; false-failure probability
+    2e-4)."""
+    exact = _marginals(llama, prompt, PARAMS)
+    counts = _batched_histograms(_batch_engine(llama, noisy_hf), prompt, PARAMS, n=N_GEN, seed0=90_000)
+    for pos in range(2):
+        assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
+
+
+def test_llama_batch_negative_control_fails(llama, noisy_hf, prompt, monkeypatch):
+    """The batched test on a verifier that accepts every draft must fail."""
+
+    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+        k = draft_tokens.shape[1]
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        return torch.full((draft_tokens.shape[0],), k), bonus
+
+    exact = _marginals(llama, prompt, PARAMS)
+    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
+    counts = _batched_histograms(_batch_engine(llama, noisy_hf), prompt, PARAMS, n=N_GEN // 2)
     assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN // 2) for pos in range(2)) < ALPHA
 
 

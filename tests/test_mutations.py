@@ -25,7 +25,7 @@ import verispec.proposers.draft_model as draft_module
 from verispec.backends import HFModel
 from verispec.core import sampling, verify
 from verispec.core.sampling import SamplingParams
-from verispec.proposers import DraftModelProposer
+from verispec.proposers import DraftModel
 
 ALPHA = test_verify.ALPHA
 VERIFIER_PARAMS = SamplingParams(temperature=0.9)
@@ -115,7 +115,7 @@ def test_top_p_on_the_draft_sample_but_not_on_its_q(monkeypatch, pair):
     target, draft = pair
     params = SamplingParams(temperature=1.0, top_p=top_p)
     exact = exactness.exact_marginals(exactness.hf_logits(target), exactness.PROMPT, params, exactness.STEPS, 8)
-    engine = exactness._engine(HFModel(target), DraftModelProposer(HFModel(draft), 8))
+    engine = exactness._engine(HFModel(target), DraftModel(HFModel(draft), 8))
     assert _loop_rejects(engine, params, exact)
 
 

@@ -117,25 +117,31 @@ def test_hybrid_looks_up_once_per_round(monkeypatch):
     import verispec.proposers.ngram as ngram_module
     from verispec.core.sampling import SamplingParams
     from verispec.core.sequence import TokenSequence
-    from verispec.proposers import HybridProposer, NgramProposer
+    from verispec.proposers import HybridDrafter, LookupDrafter, NgramProposer
 
     class NoModel:
+        model = type("OneSlot", (), {"slots": 1})()
+
         def start(self, *args):
             pass
 
-        def pending(self, seq):
+        def pending(self, slot, seq):
             return 7
+
+        def propose(self, rows):  # no row is the model's in this round
+            assert rows == []
+            return []
 
     calls = []
     real = ngram_module.find_match
     monkeypatch.setattr(ngram_module, "find_match", lambda *a: calls.append(1) or real(*a))
-    hybrid = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1, min_confident=2), NoModel())
+    hybrid = HybridDrafter(LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1, min_confident=2)]), NoModel())
     seq = TokenSequence([1, 2, 3, 1, 2], 16, torch.device("cpu"))
-    hybrid.start(seq, SamplingParams(), torch.Generator())
-    assert hybrid.source(seq) == "ngram" and hybrid.pending(seq) == 0 and len(calls) == 1
-    assert hybrid.propose(seq, 4).tokens.tolist() == [3, 1, 2] and len(calls) == 1
+    hybrid.start(0, seq, SamplingParams(), torch.Generator())
+    assert hybrid.source(0, seq) == "ngram" and hybrid.pending(0, seq) == 0 and len(calls) == 1
+    assert hybrid.propose([(0, seq, 4, None)])[0].tokens.tolist() == [3, 1, 2] and len(calls) == 1
     seq.extend([9], torch.tensor([9]))  # the next round: a fresh lookup, no match now
-    assert hybrid.source(seq) == "model" and hybrid.pending(seq) == 7 and len(calls) == 2
+    assert hybrid.source(0, seq) == "model" and hybrid.pending(0, seq) == 7 and len(calls) == 2
 
 
 def test_ngram_names_its_source_by_match_length():

@@ -153,15 +153,15 @@ def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pai
     from verispec.core.rows import target_rows
     from verispec.core.sampling import make_generator
     from verispec.core.sequence import TokenSequence
-    from verispec.proposers import DraftModelProposer
+    from verispec.proposers import DraftModel
 
     target, draft = small_vocab_pair
     generated = [4, 4, 6]
     seq = TokenSequence(PROMPT + generated, 20, torch.device("cpu"))
     seq.prompt_length = len(PROMPT)
-    proposer = DraftModelProposer(HFModel(draft), 8)
-    proposer.start(seq, PENALISED, make_generator(0, "cpu"))
-    drafts = proposer.propose(seq, 3)
+    drafter = DraftModel(HFModel(draft), 8)
+    drafter.start(0, seq, PENALISED, make_generator(0, "cpu"))
+    drafts = drafter.propose([(0, seq, 3, None)])[0]
     tokens = drafts.tokens
     with torch.no_grad():
         t_logits = target(input_ids=torch.tensor([seq.ids + tokens.tolist()])).logits[0, len(seq) - 1 :]  # [4, V]

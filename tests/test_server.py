@@ -333,7 +333,7 @@ def test_dead_worker_is_reported(pair_dirs, monkeypatch):
     def die(*args, **kwargs):
         raise SystemExit("the worker thread ends")
 
-    monkeypatch.setattr(engine, "stream", die)
+    monkeypatch.setattr(engine, "step", die)  # the worker runs every round through step
 
     async def scenario():
         async with app.router.lifespan_context(app), _in_process_client(app) as client:

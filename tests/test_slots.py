@@ -7,7 +7,7 @@ import pytest
 from tiny import text_pair
 
 import verispec
-from verispec.pipeline.slots import BatchSlots, LoneSlots
+from verispec.pipeline.slots import Slots
 
 PROMPTS = ["def f(x):", "hello world", "abc", "The quick brown fox"]
 
@@ -37,10 +37,11 @@ def serve(slots, requests):
     return [out[i] for i in range(len(requests))]
 
 
-@pytest.mark.parametrize("max_batch, kind", [(1, LoneSlots), (3, BatchSlots)])
-def test_slots_give_what_generate_gives(pipe, max_batch, kind):
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_slots_give_what_generate_gives(pipe, max_batch):
     slots = pipe.slots(max_batch)
-    assert isinstance(slots, kind) and slots.size == max_batch
+    assert isinstance(slots, Slots) and slots.size == max_batch
+    assert (slots.engine is pipe.generator) == (max_batch == 1)  # one slot: the pipeline's own engine
     settings = [dict(max_new_tokens=20), dict(max_new_tokens=30, k=1), dict(max_new_tokens=20, stop=["Y"]),
                 dict(max_new_tokens=16, temperature=0.8, seed=5)]
     requests = [pipe.request(prompt, **s) for prompt, s in zip(PROMPTS, settings)]

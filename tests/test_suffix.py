@@ -16,6 +16,7 @@ from verispec.backends import HFModel
 from verispec.core.sequence import TokenSequence
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.proposers.lookup import LookupDrafter
 from verispec.proposers.suffix import SuffixProposer, SuffixTrie, _Text
 
 ALPHA = 1e-4
@@ -30,14 +31,16 @@ class Recording(SuffixProposer):
         super().__init__(**kwargs)
         self.drafts: list[list[int]] = []
 
-    def propose(self, seq, k, depth=None):
+    def propose(self, seq, k):
         draft = super().propose(seq, k)
         self.drafts.append(draft.tokens.tolist())
         return draft
 
 
 def engine(target, proposer=None, k=4, eos=()) -> SpeculativeGenerator:
-    return SpeculativeGenerator(HFModel(target), proposer, eos_token_ids=eos, num_draft_tokens=k,
+    """A one-slot engine drafting with `proposer` (None: plain decoding)."""
+    drafter = None if proposer is None else LookupDrafter([proposer])
+    return SpeculativeGenerator(HFModel(target), drafter, eos_token_ids=eos, num_draft_tokens=k,
                                 auto_policy=CostAwareK())
 
 
@@ -185,14 +188,14 @@ def test_history_is_bounded_and_evicted_text_is_forgotten():
     for _ in range(200):
         p.add_history([rng.randrange(1000, 2000) for _ in range(rng.randint(1, 40))])
         starts = sum(p.history.continuations([]).values())  # one per token held
-        assert starts == p.history_size <= 50 and p.history.size() <= 50 * p.max_depth + 1
+        assert starts == p.history.tokens <= 50 and p.history.trie.size() <= 50 * p.max_depth + 1
     assert p.history.continuations([100, 101]) == {}
     started(p, seq)
     assert p.source(seq) == "none" and p.propose(seq, 4).tokens.numel() == 0
     p.add_history(list(range(500, 600)))  # longer than the budget: its last 50 tokens are kept
-    assert p.history_size == 50 and p.history.continuations([549]) == {} and p.history.continuations([550]) == {551: 1}
-    p.clear_history()
-    assert p.history_size == 0 and p.history.size() == 1
+    assert p.history.tokens == 50 and p.history.continuations([549]) == {} and p.history.continuations([550]) == {551: 1}
+    p.history.clear()
+    assert p.history.tokens == 0 and p.history.trie.size() == 1
 
 
 def test_truncated_output_enters_history_as_kept():

@@ -11,7 +11,8 @@ from test_engine import ALPHA, _exact_marginals
 from tiny import make_engine, perturbed, text_pair, tiny_qwen2
 
 import verispec
-from verispec.backends.lean import LeanModel
+from verispec.backends.base import Sequence
+from verispec.backends.lean import LeanBatch, LeanNet
 from verispec.core.rows import target_rows, tree_rows
 from verispec.core.sampling import SamplingParams, sample
 from verispec.core.sequence import TokenSequence
@@ -31,9 +32,14 @@ def pair():
     return target, perturbed(target, seed=2, noise=0.3)
 
 
+def lean(model) -> LeanBatch:
+    """A one-slot lean Model (it verifies trees) of a transformers model."""
+    return LeanBatch(LeanNet(model), slots=1)
+
+
 def tree_engine(target, draft, k=8, eos=(EOS,), width=3, max_depth=4) -> SpeculativeGenerator:
-    proposer = TreeDraftModel(LeanModel(draft), target.config.vocab_size, width=width, max_depth=max_depth)
-    return SpeculativeGenerator(LeanModel(target), proposer, eos_token_ids=eos, num_draft_tokens=k,
+    drafter = TreeDraftModel(lean(draft), target.config.vocab_size, width=width, max_depth=max_depth)
+    return SpeculativeGenerator(lean(target), drafter, eos_token_ids=eos, num_draft_tokens=k,
                                 auto_policy=TreeBudget())
 
 
@@ -69,35 +75,36 @@ def test_tree_pass_equals_each_path_run_alone():
     prompt = torch.tensor([rng.randrange(64) for _ in range(9)])
     for trial in range(6):
         tree = random_tree(rng, rng.randrange(1, 14), 64)
-        lean = LeanModel(model)
-        lean.forward(prompt)
-        base = lean.length
-        logits = lean.forward_tree(tree.tokens, base - 1 + torch.tensor(tree.depths), base, tree.paths()[1:],
-                                   base - 1 + tree.depth)
+        batch = lean(model)
+        one = Sequence(batch)
+        one.forward(prompt)
+        base = one.length
+        logits = batch.forward_tree(0, tree.tokens, base - 1 + torch.tensor(tree.depths), base, tree.paths()[1:],
+                                    base - 1 + tree.depth)
         for node in range(len(tree)):
-            alone = LeanModel(model)
+            alone = Sequence(lean(model))
             path = tree.tokens[tree.path_to(node)]
             want = alone.forward(torch.cat([prompt, path]))[-1]
             torch.testing.assert_close(logits[node], want, rtol=1e-4, atol=1e-4)
         leaf = rng.randrange(len(tree))
         path = tree.path_to(leaf)
-        lean.keep(base, path)
-        assert lean.length == base + len(path)
+        batch.keep(0, base, path)
+        assert one.length == base + len(path)
         nxt = torch.tensor([rng.randrange(64)])
-        alone = LeanModel(model)
+        alone = Sequence(lean(model))
         want = alone.forward(torch.cat([prompt, tree.tokens[path], nxt]))[-1]
-        torch.testing.assert_close(lean.forward(nxt)[-1], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(one.forward(nxt)[-1], want, rtol=1e-4, atol=1e-4)
 
 
 def test_keep_refuses_rows_out_of_order():
-    lean = LeanModel(tiny_qwen2(3))
-    lean.forward(torch.arange(6))
+    batch = lean(tiny_qwen2(3))
+    batch.forward_rows([0], [torch.arange(6)])
     with pytest.raises(ValueError, match="ascending"):
-        lean.keep(2, [2, 1])
+        batch.keep(0, 2, [2, 1])
     with pytest.raises(ValueError, match="ascending"):
-        lean.keep(2, [0, 4])
+        batch.keep(0, 2, [0, 4])
     with pytest.raises(ValueError, match="ascending"):
-        lean.keep(7, [])  # a base past what the cache holds
+        batch.keep(0, 7, [])  # a base past what the cache holds
 
 
 @pytest.mark.parametrize("params", [
@@ -176,16 +183,19 @@ def test_draft_cache_holds_the_committed_tokens_after_each_round(pair):
     into place): its next logits equal a fresh draft's fed that prefix."""
     target, draft = pair
     eng = tree_engine(target, draft, k=10)
-    proposer = eng.proposer
+    drafter = eng.drafter
+    cache = Sequence(drafter.model)  # the draft's slot 0
     generation = eng.stream([5, 9, 13, 2], max_new_tokens=30)
     checked = 0
     for _ in generation:
-        held = proposer.model.length
-        ids = proposer._held_seq.ids[:held]
+        held = cache.length
+        seq, cached = drafter._held[0]
+        assert cached == held
+        ids = seq.ids[:held]
         probe = torch.tensor([3])
-        got = proposer.model.forward(probe)[-1]
-        proposer.model.rollback(held)
-        want = LeanModel(draft).forward(torch.tensor(ids + [3]))[-1]
+        got = cache.forward(probe)[-1]
+        cache.rollback(held)
+        want = Sequence(lean(draft)).forward(torch.tensor(ids + [3]))[-1]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         checked += held > 4  # the cache holds more than the prompt: accepted nodes were kept
     assert checked > 2
@@ -337,15 +347,16 @@ def test_accepted_table_measures_every_smaller_tree():
 
 
 def _plain_report(seconds):
-    return RoundReport(k=0, source="", drafted=0, accepted=0, first=False, own_draft=False, draft_steps=0,
-                       draft_seconds=0.0, verify_seconds=seconds, catchup_seconds=0.0, catchup_tokens=0, seconds=seconds)
+    return RoundReport(k=0, source="", drafted=0, accepted=0, fed=1, first=False, own_draft=False, draft_steps=0,
+                       draft_seconds=0.0, verify_seconds=seconds, catchup_seconds=0.0, catchup_tokens=0,
+                       seconds=seconds)
 
 
 def _report(tree, path, verify_seconds, draft_seconds=0.02, steps=4):
-    return RoundReport(k=len(tree), source="tree", drafted=len(tree), accepted=len(path), first=False, own_draft=False,
-                       draft_steps=steps, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
-                       catchup_seconds=0.0, catchup_tokens=0, seconds=draft_seconds + verify_seconds, tree=tree,
-                       path=tuple(path))
+    return RoundReport(k=len(tree), source="tree", drafted=len(tree), accepted=len(path), fed=len(tree) + 1,
+                       first=False, own_draft=False, draft_steps=steps, draft_seconds=draft_seconds,
+                       verify_seconds=verify_seconds, catchup_seconds=0.0, catchup_tokens=0,
+                       seconds=draft_seconds + verify_seconds, tree=tree, path=tuple(path))
 
 
 def test_budget_policy_drafts_trees_only_where_they_pay():
@@ -389,7 +400,7 @@ def test_load_with_the_tree_drafter_matches_plain_greedy():
     target, draft, tok = text_pair()
     pipe = verispec.load(target, draft, tokenizer=tok, drafter="tree", draft_quant="none")
     plain = verispec.load(target, None, tokenizer=tok, drafter=None)
-    assert pipe.k == "auto" and pipe.can_batch() is not None
+    assert pipe.k == "auto" and "token trees do not batch" in pipe.can_batch()
     for prompt in ("hello there", "def f(x):"):
         assert pipe.generate(prompt, max_new_tokens=24).token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
 
@@ -431,4 +442,4 @@ def test_server_serves_trees_one_at_a_time():
     completion, models = asyncio.run(scenario())
     assert completion["choices"][0]["text"] == want
     mine = next(m for m in models["data"] if m.get("verispec"))["verispec"]
-    assert mine["drafter"] == "tree" and "tree drafter does not batch" in mine["batching"]
+    assert mine["drafter"] == "tree" and "token trees do not batch" in mine["batching"]

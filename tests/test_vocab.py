@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny import byte_tokenizer, make_engine, perturbed, tiny_qwen2
 
-from verispec.backends import HFModel
+from verispec.backends import HFModel, Sequence
 from verispec.backends.quant import quantize_model
 from verispec.backends.vocab import ROW_MULTIPLE, SubsetHead, frequent_tokens, restrict_head
 
@@ -25,13 +25,13 @@ def test_frequent_tokens_keeps_specials_and_lowest_ids():
 def test_subset_head_scores_only_its_tokens():
     model = tiny_qwen2(3, vocab_size=96)
     prompt = torch.tensor([5, 9, 2, 7])
-    full = HFModel(model).forward(prompt)  # [4, 96]
+    full = Sequence(HFModel(model)).forward(prompt)  # [4, 96]
     ids = torch.tensor([0, 3, 5, 40, 95])
     restrict_head(model, ids)
     assert isinstance(model.get_output_embeddings(), SubsetHead)
     reduced = HFModel(model)
     assert reduced.vocab_size == 96
-    out = reduced.forward(prompt)
+    out = Sequence(reduced).forward(prompt)
     keep = torch.zeros(96, dtype=torch.bool)
     keep[ids] = True
     assert torch.allclose(out[:, keep], full[:, keep], atol=1e-5)

@@ -8,7 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from verispec.backends import HFModel
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.decoding.policies.cost_aware import CostAwareK
-from verispec.proposers import DraftModelProposer
+from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer
 
 
 def tiny_qwen2(seed: int, vocab_size: int = 64, hidden: int = 64, layers: int = 2, scale: float = 1.0, init: float = 0.2):
@@ -44,17 +44,26 @@ def perturbed(model, seed: int, noise: float):
 
 
 def make_engine(target, draft=None, k: int = 4, eos=(), drafter: str = "model") -> SpeculativeGenerator:
-    from verispec.proposers import HybridProposer, NgramProposer
-
-    t = HFModel(target)
-    if draft is not None and not hasattr(draft, "rollback"):  # a transformers model, else a Model already
+    """An engine over transformers models (or Models already): `drafter` model (draft: a model), ngram, hybrid
+    (n-gram matches of >= 2 tokens, else the draft model), or a Drafter or Lookup given as `drafter`."""
+    t = target if hasattr(target, "forward_rows") else HFModel(target)
+    if draft is not None and not hasattr(draft, "forward_rows"):  # a transformers model, else a Model already
         draft = HFModel(draft)
-    proposer = DraftModelProposer(draft, t.vocab_size) if draft is not None else None
+    return SpeculativeGenerator(t, drafter_for(drafter, draft, t.vocab_size), eos_token_ids=eos, num_draft_tokens=k,
+                                auto_policy=CostAwareK())
+
+
+def drafter_for(drafter, draft, vocab_size: int):
+    """A Drafter: a name (model, ngram, hybrid) with `draft` (a Model) where it needs one, a Lookup (one slot), or a
+    Drafter as it is."""
+    if not isinstance(drafter, str):
+        return LookupDrafter([drafter]) if hasattr(drafter, "end") else drafter
+    model = DraftModel(draft, vocab_size) if draft is not None else None
     if drafter == "ngram":
-        proposer = NgramProposer(max_ngram=3, min_ngram=1)
-    elif drafter == "hybrid":
-        proposer = HybridProposer(NgramProposer(max_ngram=3, min_ngram=1, min_confident=2), proposer)
-    return SpeculativeGenerator(t, proposer, eos_token_ids=eos, num_draft_tokens=k, auto_policy=CostAwareK())
+        return LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1)])
+    if drafter == "hybrid":
+        return HybridDrafter(LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1, min_confident=2)]), model)
+    return model
 
 
 CHAT_TEMPLATE = (

@@ -400,6 +400,7 @@ def cmd_bench_endpoints(args) -> int:
         build_endpoint_report,
         parse_endpoint,
         render_endpoint_table,
+        run_concurrent,
         run_endpoints,
     )
 
@@ -419,10 +420,14 @@ def cmd_bench_endpoints(args) -> int:
         state = f"{r.tokens_per_second:.1f} tok/s" if r.ok else f"FAILED: {r.error}"
         console.print(f"bench {r.config} {r.prompt_id}: {state}", highlight=False, markup=False, soft_wrap=True)
 
-    status = "complete"
+    status, walls = "complete", None
     try:
-        runs, models = run_endpoints(endpoints, prompts, sampling, args.max_new_tokens, warmup=args.warmup,
-                                     on_run=on_run)
+        if args.concurrency > 1:
+            runs, models, walls = run_concurrent(endpoints, prompts, sampling, args.max_new_tokens, args.concurrency,
+                                                 warmup=args.warmup, on_run=on_run)
+        else:
+            runs, models = run_endpoints(endpoints, prompts, sampling, args.max_new_tokens, warmup=args.warmup,
+                                         on_run=on_run)
     except EndpointError as exc:
         raise ValueError(str(exc)) from None
     except KeyboardInterrupt:
@@ -433,8 +438,9 @@ def cmd_bench_endpoints(args) -> int:
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
         "sampling": "greedy" if args.temperature == 0 else f"T={args.temperature} top_p={args.top_p}",
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "turn": args.turn, "status": status,
+        "concurrency": args.concurrency,
     }
-    report = build_endpoint_report(runs, endpoints, models, meta)
+    report = build_endpoint_report(runs, endpoints, models, meta, walls)
     _print_table(render_endpoint_table(report), args.json)
     _emit_json(report, args.json_out)
     return _bench_outcome(status, None, None, len(runs))
@@ -446,6 +452,8 @@ def cmd_bench(args) -> int:
         raise ValueError("--warm-history needs --turn 2 or later (a turn with a conversation before it)")
     if args.endpoint:
         return cmd_bench_endpoints(args)
+    if args.concurrency > 1:
+        raise ValueError("--concurrency loads servers: it needs --endpoint")
     import datetime
     import platform
 
@@ -806,6 +814,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "interleaved prompt by prompt, the first is the baseline), e.g. "
                         "verispec=http://127.0.0.1:8000/v1 (default: none)")
     b.add_argument("--endpoint-api-key", help="bearer token sent to the endpoints (default: none)")
+    b.add_argument("--concurrency", type=_positive_int, default=1, metavar="N",
+                   help="with --endpoint: N requests in flight, each endpoint alone in turn; reports aggregate "
+                        "tokens/s (start each run on fresh servers: verispec's suffix drafter remembers answers) "
+                        "(default: 1, interleaved)")
     b.add_argument("--json", action="store_true",
                    help="stdout carries only the JSON report (one line); the table goes to stderr")
     b.add_argument("--json-out", metavar="FILE",

@@ -22,15 +22,13 @@ from verispec.assembly.specs import DraftSpec, TargetSpec, check_k
 from verispec.assembly.store import ModelStore, _lean_net
 from verispec.backends import HFModel
 from verispec.backends.base import Model
-from verispec.backends.lean import LeanBatch, LeanModel, lean_unsupported
+from verispec.backends.lean import LeanBatch, lean_unsupported
 from verispec.backends.loading import DTYPES, check_same_vocabulary, eog_token_ids
-from verispec.decoding.batch import BatchGenerator
 from verispec.decoding.engine import SpeculativeGenerator
-from verispec.names.drafters import BACKEND_NAMES, BATCH_DRAFTERS
+from verispec.names.drafters import BACKEND_NAMES
 from verispec.names.errors import SpecError
 from verispec.names.k import DEFAULT_K, DEFAULTS, K_MAX, default_k
 from verispec.pipeline.pipeline import Pipeline
-from verispec.proposers.rows import BatchDraftModel, ProposerRows
 
 
 def _dtype(target: TargetSpec) -> torch.dtype:
@@ -43,7 +41,7 @@ def _dtype(target: TargetSpec) -> torch.dtype:
 def _forward_name(model: Model | None, backend: str | None) -> str:
     if model is None or backend != "hf":
         return "none"
-    return "lean" if isinstance(model, LeanModel) else "transformers"
+    return "lean" if isinstance(model, LeanBatch) else "transformers"
 
 
 def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | None = None, *, k_max: int = K_MAX,
@@ -97,18 +95,19 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         times["draft"] = time.perf_counter() - t0
     if tree:
         target_model, draft_model = _tree_models(target_model, draft_model)
-    proposer = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, target_model.vocab_size)
+    drafter = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, target_model.vocab_size, 1)
     end = eog_token_ids(tokenizer) if target.tokenizer is not None else store.end_tokens(target.model)
     eos = sorted({*eos, *end})
     if k is None:
         k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
     policy = None if draft is None else DRAFTERS[draft.drafter].auto_policy(k_max)
-    generator = SpeculativeGenerator(target_model, proposer, eos, k, auto_policy=policy)
+    generator = SpeculativeGenerator(target_model, drafter, eos, k, auto_policy=policy,
+                                     max_length=None if draft_model is None else draft_model.max_length)
     kernels = None
     if "llamacpp" in (target.backend, draft_backend):
         from verispec.backends.llamacpp import kernels as llama_kernels
 
-        kernels = llama_kernels().describe()
+        kernels = llama_kernels().describe(getattr(target_model, "weight_types", None))
     pipe = Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
                     times, reason, kernels)
     batch_reason = batch_unsupported(pipe)
@@ -119,51 +118,57 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
 def _tree_models(target: Model, draft: Model) -> tuple[Model, Model]:
     """The target and draft of a tree drafter: both verify trees on the lean path (the target on a LeanNet of
     its transformers model, which holds fused copies of some weights: see _lean_net)."""
-    if not isinstance(draft, LeanModel):
+    if not isinstance(draft, LeanBatch):
         raise SpecError("token trees need the draft on the lean path (draft forward lean, an architecture it runs)",
                         "draft.forward", runtime=True)
-    if isinstance(target, LeanModel):
+    if isinstance(target, LeanBatch):
         return target, draft
     reason = lean_unsupported(target.model)
     if reason is not None:
         raise SpecError(f"token trees run on the lean path, which cannot run {reason}", "draft.drafter", runtime=True)
-    lean = LeanModel(_lean_net(target))
+    lean = LeanBatch(_lean_net(target))
     lean.max_length = target.max_length
     return lean, draft
 
 
 def batch_unsupported(pipe: Pipeline) -> str | None:
-    """Why `pipe` cannot decode a batch (verispec.decoding.batch), or None when it can."""
-    if pipe.backend != "hf" or (pipe.draft_model is not None and pipe.draft_backend != "hf"):
-        return "batched decoding runs on the transformers backend (llama.cpp decodes one sequence at a time here)"
-    if pipe.drafter not in ("none", *BATCH_DRAFTERS):
-        return f"the {pipe.drafter} drafter does not batch (use {', '.join(BATCH_DRAFTERS)} or none)"
+    """Why `pipe` cannot decode a batch, or None when it can: every model must hold several sequences (llama.cpp
+    and the lean path do; transformers' own forward holds one)."""
+    if pipe.drafter == "tree":
+        return "token trees do not batch (each tree is verified in a pass of its own)"
     models = [pipe.generator.target] + ([pipe.draft_model] if pipe.draft_model is not None else [])
-    if isinstance(pipe.draft_model, HFModel) and pipe.draft_quant != "none":
+    if pipe.draft_model is not None and pipe.draft_forward == "transformers" and pipe.draft_quant != "none":
         return "a quantised draft batches on the lean path only (draft forward lean)"
     for model in models:
-        if not isinstance(model, LeanModel):
+        if isinstance(model, HFModel):
             reason = lean_unsupported(model.model)
             if reason is not None:
                 return f"batched decoding runs on the lean path, which cannot run {reason}"
     return None
 
 
-def batch_generator(pipe: Pipeline, max_batch: int) -> BatchGenerator:
-    """A BatchGenerator of `max_batch` slots over the pipeline's models (the same weights; caches of its own).
-    SpecError (runtime) when the pipeline cannot batch (see batch_unsupported)."""
+def _with_slots(model: Model, slots: int) -> Model:
+    """A Model of `slots` sequences on `model`'s weights (caches of its own): llama.cpp opens another context, the
+    lean path another cache; a transformers model runs on its lean net."""
+    if isinstance(model, HFModel):
+        lean = LeanBatch(_lean_net(model), slots)
+        lean.max_length = model.max_length
+        return lean
+    return model.with_slots(slots)
+
+
+def batch_generator(pipe: Pipeline, max_batch: int) -> SpeculativeGenerator:
+    """A SpeculativeGenerator of `max_batch` slots over the pipeline's models (the same weights; caches of its own)
+    and its k policy. SpecError (runtime) when the pipeline cannot batch (see batch_unsupported)."""
     reason = batch_unsupported(pipe)
     if reason is not None:
         raise SpecError(reason, "max_batch", runtime=True)
-    target = pipe.generator.target
-    drafter = None
-    if pipe.draft_model is not None:
-        drafter = BatchDraftModel(LeanBatch(_lean_net(pipe.draft_model), max_batch), target.vocab_size)
-    elif pipe.drafter != "none":
-        make = DRAFTERS[pipe.drafter].make
-        drafter = ProposerRows(lambda: make(None, target.vocab_size))
-    return BatchGenerator(LeanBatch(_lean_net(target), max_batch), drafter, pipe.generator.eos_token_ids, pipe.k,
-                          pipe.context_length)
+    lone = pipe.generator
+    target = _with_slots(lone.target, max_batch)
+    draft = None if pipe.draft_model is None else _with_slots(pipe.draft_model, max_batch)
+    drafter = None if pipe.drafter == "none" else DRAFTERS[pipe.drafter].make(draft, target.vocab_size, max_batch)
+    return SpeculativeGenerator(target, drafter, lone.eos_token_ids, pipe.k, auto_policy=lone.k_policy,
+                                max_length=pipe.context_length)
 
 
 def build_pipeline(

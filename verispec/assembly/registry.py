@@ -1,4 +1,4 @@
-"""The registries, one per axis: BACKENDS (backend name -> loader of a Model) and DRAFTERS (drafter name -> proposer
+"""The registries, one per axis: BACKENDS (backend name -> loader of a Model) and DRAFTERS (drafter name -> drafter
 factory and its k policy for k = 'auto')."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from verispec.backends import HFModel
 from verispec.backends.base import Model
-from verispec.backends.lean import LeanModel, lean_unsupported
+from verispec.backends.lean import LeanBatch, LeanNet, lean_unsupported
 from verispec.backends.linear import orient_linears
 from verispec.backends.loading import configured_eos_ids, eos_token_ids, load_model, resolve_gguf
 from verispec.backends.quant import quantize_model
@@ -20,8 +20,8 @@ from verispec.decoding.policies.base import KPolicy
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.decoding.policies.tree_budget import TreeBudget
 from verispec.names.errors import SpecError
-from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
-from verispec.proposers.base import Proposer
+from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer, SuffixHistory, SuffixProposer
+from verispec.proposers.base import Drafter
 from verispec.proposers.tree_draft import TreeDraftModel
 
 
@@ -72,7 +72,7 @@ def _load_hf(request: LoadRequest) -> tuple[Model, list[int]]:
         forward = "lean" if lean_unsupported(hf_model) is None else "transformers"
     if forward == "lean":
         try:
-            model = LeanModel(hf_model)  # fuses the layers it needs into modules of its own
+            model = LeanBatch(LeanNet(hf_model.eval()))  # fuses the layers it needs into modules of its own
         except ValueError as exc:
             raise SpecError(str(exc), "draft.forward", runtime=True) from exc
         quantize_model(model.net, request.quant)
@@ -100,25 +100,35 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
-@dataclass(frozen=True)
-class Drafter:
-    """A registry entry: `make(draft model or None, the target's vocabulary size) -> Proposer`;
-    `needs_model`: whether it drafts with a draft LM; `auto_policy(k_max) -> KPolicy`: the policy of k = 'auto'
-    (token trees: their node budget and depth; chains: cost-aware k)."""
+def _ngrams(slots: int) -> LookupDrafter:
+    return LookupDrafter([NgramProposer() for _ in range(slots)])
 
-    make: Callable[[Model | None, int], Proposer]
+
+def _suffixes(slots: int) -> LookupDrafter:
+    """A suffix lookup per slot, all drafting from one history of past outputs."""
+    history = SuffixHistory()
+    return LookupDrafter([SuffixProposer(history=history) for _ in range(slots)])
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    """A registry entry: `make(draft model or None, the target's vocabulary size, slots) -> Drafter` (the draft
+    model, if any, holds that many slots); `needs_model`: whether it drafts with a draft LM; `auto_policy(k_max) ->
+    KPolicy`: the policy of k = 'auto' (token trees: their node budget and depth; chains: cost-aware k)."""
+
+    make: Callable[[Model | None, int, int], Drafter]
     needs_model: bool
     auto_policy: Callable[[int], KPolicy] = CostAwareK
 
 
-DRAFTERS: dict[str, Drafter] = {
-    "model": Drafter(lambda model, vocab: DraftModelProposer(model, vocab), needs_model=True),
-    "ngram": Drafter(lambda model, vocab: NgramProposer(), needs_model=False),
-    "suffix": Drafter(lambda model, vocab: SuffixProposer(), needs_model=False),
-    "hybrid": Drafter(lambda model, vocab: HybridProposer(NgramProposer(), DraftModelProposer(model, vocab)),
-                      needs_model=True),
-    "hybrid-suffix": Drafter(lambda model, vocab: HybridProposer(SuffixProposer(), DraftModelProposer(model, vocab)),
-                             needs_model=True),
-    "tree": Drafter(lambda model, vocab: TreeDraftModel(model, vocab), needs_model=True,
-                    auto_policy=lambda k_max: TreeBudget()),
+DRAFTERS: dict[str, DrafterEntry] = {
+    "model": DrafterEntry(lambda model, vocab, slots: DraftModel(model, vocab), needs_model=True),
+    "ngram": DrafterEntry(lambda model, vocab, slots: _ngrams(slots), needs_model=False),
+    "suffix": DrafterEntry(lambda model, vocab, slots: _suffixes(slots), needs_model=False),
+    "hybrid": DrafterEntry(lambda model, vocab, slots: HybridDrafter(_ngrams(slots), DraftModel(model, vocab)),
+                           needs_model=True),
+    "hybrid-suffix": DrafterEntry(lambda model, vocab, slots: HybridDrafter(_suffixes(slots), DraftModel(model, vocab)),
+                                  needs_model=True),
+    "tree": DrafterEntry(lambda model, vocab, slots: TreeDraftModel(model, vocab), needs_model=True,
+                         auto_policy=lambda k_max: TreeBudget()),
 }

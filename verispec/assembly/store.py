@@ -12,8 +12,8 @@ import torch
 
 from verispec.assembly.registry import BACKENDS, LoadRequest, is_loaded
 from verispec.assembly.specs import DraftSpec, TargetSpec
-from verispec.backends.base import Model
-from verispec.backends.lean import LeanModel, LeanNet
+from verispec.backends.base import Model, Sequence
+from verispec.backends.lean import LeanBatch, LeanNet
 from verispec.backends.loading import eog_token_ids, load_model, load_tokenizer
 from verispec.backends.vocab import frequent_tokens
 from verispec.names.k import K_MAX
@@ -34,8 +34,9 @@ def warm_up(model: Model) -> None:
     the outputs are those of a model never run (the cache is all a Model carries between forwards)."""
     n = min(WARM_UP_TOKENS, model.max_length)
     tokens = torch.zeros(n, dtype=torch.long, device=model.device)  # token 0: in every vocabulary
-    model.forward(tokens)
-    model.forward(tokens[:1], last_only=True)
+    sequence = Sequence(model)
+    sequence.forward(tokens)
+    sequence.forward(tokens[:1], last_only=True)
     model.reset()
 
 
@@ -45,7 +46,7 @@ class ModelStore:
     same model load it once. A target and a draft are never shared with each other, even when the specs
     name the same model: one generation uses both caches at once.
 
-    Pipelines that share a loaded model share its KV cache, and each generator believes its cache holds
+    Pipelines that share a loaded model share its KV caches, and each generator believes its caches hold
     what it left there. So at most one of them generates at a time, and each is reset
     (`pipeline.generator.reset()`) before it generates after another one used the shared model."""
 
@@ -108,7 +109,7 @@ _LEAN_NETS: "weakref.WeakKeyDictionary[Any, LeanNet]" = weakref.WeakKeyDictionar
 def _lean_net(model: Model) -> LeanNet:
     """The LeanNet of a transformers-backed Model, built once per transformers model: it holds fused copies of
     the q/k/v and gate/up weights (about 60% of the model's weights more in memory)."""
-    if isinstance(model, LeanModel):
+    if isinstance(model, LeanBatch):
         return model.net
     if model.model not in _LEAN_NETS:
         _LEAN_NETS[model.model] = LeanNet(model.model)

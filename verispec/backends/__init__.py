@@ -3,7 +3,7 @@ base.py, and what is built on them, load without transformers."""
 
 import importlib
 
-from verispec.backends.base import Model, SlotModel, TreeModel, common_prefix_length
+from verispec.backends.base import Model, Sequence, TreeModel, common_prefix_length
 
 
 def __getattr__(name: str):
@@ -12,4 +12,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'verispec.backends' has no attribute {name!r}")
 
 
-__all__ = ["Model", "HFModel", "SlotModel", "TreeModel", "common_prefix_length"]
+__all__ = ["Model", "HFModel", "Sequence", "TreeModel", "common_prefix_length"]

@@ -1,10 +1,13 @@
-"""The model protocols: what the decoding layer asks of a backend.
+"""The model protocol: what the decoding layer asks of a backend.
 
-- Model: one sequence's KV cache; feed new tokens, get their logits, roll back in O(1). Every backend.
-- TreeModel: a Model that also scores token trees in one pass (each node sees its ancestors) and keeps the
-  accepted path. verispec's lean path (LeanModel).
-- SlotModel: many sequences' caches at once, a length per slot: feed ragged rows in one pass, roll a slot back,
-  move a slot. What a batch decodes on (LeanBatch).
+- Model: a causal LM with the KV caches of `slots` sequences, a length per slot. One pass feeds ragged rows (each
+  row its own slot, tokens and positions), a slot rolls back in O(1), a slot's cache moves to another. A lone
+  sequence is slot 0 of a one-slot model. Every backend: transformers (one slot), the lean path and llama.cpp
+  (any number).
+- TreeModel: a Model that also scores a token tree in one pass (each node sees its ancestors) and keeps the
+  accepted path. verispec's lean path.
+
+`Sequence` gives one slot the single-sequence view (forward, rollback, length) that measurements and warm-ups use.
 """
 
 from __future__ import annotations
@@ -15,45 +18,11 @@ import torch
 
 
 class Model(Protocol):
-    """A causal LM with one sequence's KV cache (batch size 1).
-
-    `forward` appends `tokens` to the cache and returns their logits [n, V]; `rollback(n)` keeps the
-    first n cached positions. `length` is the number of cached positions.
-    """
-
-    device: torch.device
-    vocab_size: int
-    max_length: int
-
-    @property
-    def length(self) -> int: ...
-
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor: ...
-
-    def rollback(self, length: int) -> None: ...
-
-    def reset(self) -> None: ...
-
-
-@runtime_checkable
-class TreeModel(Model, Protocol):
-    """A Model that verifies token trees: `forward_tree` appends n nodes (stored in the order given, at RoPE
-    positions `positions` [n], the largest `last_position`) and returns their logits [n, V]; every node sees the
-    cache before `base` and, of what lies from `base` on, the columns where visible[i] is True (its ancestors and
-    itself). `keep(base, rows)` keeps after `base` only the rows base + rows[i] (ascending): the accepted path
-    moves into place and the cache's length becomes base + len(rows)."""
-
-    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, base: int, visible: torch.Tensor,
-                     last_position: int) -> torch.Tensor: ...
-
-    def keep(self, base: int, rows: list[int]) -> None: ...
-
-
-class SlotModel(Protocol):
     """The caches of `slots` sequences, `lengths[s]` positions held by slot s. `forward_rows` appends feeds[b]
-    (>= 1 token) to slot slots[b] for every row in one pass and returns each row's logits (of its last keep[b]
-    tokens; default all; last_only: the last one); `rollback(slot, n)` keeps a slot's first n positions; `move`
-    copies a slot's cache into another (which takes its length); `reset` forgets one slot, or all."""
+    (>= 1 token, 1-D long on `device`) to slot slots[b] for every row in one pass and returns each row's logits
+    [keep_b, V] (of its last keep[b] tokens; default all; last_only: the last one); `rollback(slot, n)` keeps a
+    slot's first n positions; `move(src, dst)` gives slot src's cache to slot dst (dst takes its length; src's
+    cache is undefined afterwards); `reset` forgets one slot, or all. `max_length` is the context of each slot."""
 
     device: torch.device
     vocab_size: int
@@ -69,6 +38,62 @@ class SlotModel(Protocol):
     def move(self, src: int, dst: int) -> None: ...
 
     def reset(self, slot: int | None = None) -> None: ...
+
+
+@runtime_checkable
+class TreeModel(Model, Protocol):
+    """A Model that verifies token trees: `forward_tree` appends n nodes to a slot (stored in the order given, at
+    RoPE positions `positions` [n], the largest `last_position`) and returns their logits [n, V]; every node sees
+    the slot's cache before `base` and, of what lies from `base` on, the columns where visible[i] is True (its
+    ancestors and itself). `keep(slot, base, rows)` keeps after `base` only the rows base + rows[i] (ascending):
+    the accepted path moves into place and the slot's length becomes base + len(rows)."""
+
+    def forward_tree(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, base: int,
+                     visible: torch.Tensor, last_position: int) -> torch.Tensor: ...
+
+    def keep(self, slot: int, base: int, rows: list[int]) -> None: ...
+
+
+def check_rows(model: Model, slots: list[int], feeds: list[torch.Tensor], last_only: bool,
+               keep: list[int] | None) -> list[int]:
+    """The kept token count of each row of a `forward_rows` call, after checking the call (ValueError): slots in
+    range and distinct, every row fed >= 1 token and keeping at most those, the context not exceeded."""
+    sizes = [f.numel() for f in feeds]
+    if last_only and keep is not None:
+        raise ValueError("give last_only or keep, not both")
+    keep = [1] * len(sizes) if last_only else list(sizes) if keep is None else list(keep)
+    if (len(slots) != len(sizes) or len(keep) != len(sizes) or not sizes or min(sizes) < 1
+            or any(not 0 <= k <= size for k, size in zip(keep, sizes))):
+        raise ValueError(f"every row of a pass needs at least one token and keeps at most those; got {sizes} fed, "
+                         f"{keep} kept for slots {slots}")
+    if len(set(slots)) != len(slots) or not all(0 <= s < model.slots for s in slots):
+        raise ValueError(f"slots {slots} are not distinct slots of the model's {model.slots}")
+    longest = max(model.lengths[s] + size for s, size in zip(slots, sizes))
+    if longest > model.max_length:
+        raise ValueError(f"sequence of {longest} tokens exceeds the model's context of {model.max_length}")
+    return keep
+
+
+class Sequence:
+    """One slot of a Model seen as a single sequence: `forward(tokens)` appends and returns their logits [n, V]
+    (last_only: [1, V]), `rollback(n)`, `length`, `reset()`."""
+
+    def __init__(self, model: Model, slot: int = 0) -> None:
+        self.model, self.slot = model, slot
+        self.device, self.vocab_size, self.max_length = model.device, model.vocab_size, model.max_length
+
+    @property
+    def length(self) -> int:
+        return self.model.lengths[self.slot]
+
+    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        return self.model.forward_rows([self.slot], [tokens], last_only=last_only)[0]
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(self.slot, length)
+
+    def reset(self) -> None:
+        self.model.reset(self.slot)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

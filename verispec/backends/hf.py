@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from verispec.backends.base import check_rows
+
 
 class HFModel:
-    """Wraps a transformers causal LM for one sequence. Rollback crops the cache (a view, no copy)."""
+    """The Model protocol over a transformers causal LM: one slot (transformers' forward runs one sequence here;
+    the lean path batches). Rollback crops the cache (a view, no copy)."""
+
+    slots = 1
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
@@ -16,36 +21,33 @@ class HFModel:
         self.vocab_size = int(getattr(head, "vocab_size", None) or head.weight.shape[0])
         self.max_length = int(getattr(model.config, "max_position_embeddings", None) or 1 << 31)
         self.cache = DynamicCache(config=model.config)
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
+        self.lengths = [0]
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """tokens: [n] long on self.device -> logits [n, V] (or [1, V] with last_only)."""
+    def forward_rows(self, slots: list[int], feeds: list[torch.Tensor], last_only: bool = False,
+                     keep: list[int] | None = None) -> list[torch.Tensor]:
+        """feeds[0] [n] long on self.device -> its last keep[0] logits [keep, V] (see Model)."""
+        kept = check_rows(self, slots, feeds, last_only, keep)[0]
+        tokens, start = feeds[0], self.lengths[0]
         n = tokens.numel()
-        if self._length + n > self.max_length:
-            raise ValueError(f"sequence of {self._length + n} tokens exceeds the model's context of {self.max_length}")
-        positions = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=tokens.view(1, n),
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        )
-        self._length += n
-        return out.logits[0]
+        positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+        out = self.model(input_ids=tokens.view(1, n), position_ids=positions, cache=self.cache, use_cache=True,
+                         logits_to_keep=max(kept, 1))
+        self.lengths[0] = start + n
+        return [out.logits[0, out.logits.shape[1] - kept :]]
 
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self._length}")
-        if length < self._length:
-            self.cache.crop(length - self._length)
-            self._length = length
+    def rollback(self, slot: int, length: int) -> None:
+        held = self.lengths[slot]
+        if not 0 <= length <= held:
+            raise ValueError(f"cannot roll back to {length}: cache holds {held}")
+        if length < held:
+            self.cache.crop(length - held)
+            self.lengths[0] = length
 
-    def reset(self) -> None:
+    def move(self, src: int, dst: int) -> None:
+        if src != dst:
+            raise ValueError("a transformers model holds one slot")
+
+    def reset(self, slot: int | None = None) -> None:
         self.cache = DynamicCache(config=self.model.config)
-        self._length = 0
+        self.lengths[0] = 0

@@ -35,6 +35,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from verispec.backends.base import check_rows
+from verispec.core.timing import device_tensor
+
 LEAN_TYPES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 FIRST_CAPACITY = 1024  # cache positions allocated first; doubled when full
@@ -148,7 +151,7 @@ class _Padded:
         self.slots, self.start, self.positions, self.end, self.mask = slots, start, positions, end, mask
         self.first, self.last = slots[0], slots[-1] + 1
         self.contiguous = slots == list(range(self.first, self.last))
-        self.index = None if positions is None else torch.tensor(slots, device=positions.device)
+        self.index = None if positions is None else device_tensor(slots, positions.device)
 
     def __call__(self, q, k_new, v_new, keys, values, scale):  # q: [B, n, H, hd]; k_new, v_new: [B, n, Hkv, hd]
         end = self.end
@@ -193,7 +196,7 @@ class _Packed:
 class LeanBatch:
     """A LeanNet with `slots` sequences' KV caches: each slot its own length, rollback O(1) per slot."""
 
-    def __init__(self, net: LeanNet, slots: int) -> None:
+    def __init__(self, net: LeanNet, slots: int = 1) -> None:
         self.net = net
         self.device = net.norm.device
         self.dtype = net.norm.dtype
@@ -235,17 +238,10 @@ class LeanBatch:
         """Append feeds[b] (1-D long, >= 1 token) to slot slots[b]'s cache, all rows in one forward; returns
         the logits of each row's last keep[b] tokens, [keep_b, V] (default: all of its tokens; last_only: the
         last one). A row that keeps 0 (a prompt fed in parts) gets [0, V] and costs no LM head."""
+        keep = check_rows(self, slots, feeds, last_only, keep)
         lengths = [self.lengths[s] for s in slots]
         sizes = [f.numel() for f in feeds]
-        if last_only and keep is not None:
-            raise ValueError("give last_only or keep, not both")
-        keep = [1] * len(sizes) if last_only else list(sizes) if keep is None else keep
-        if len(keep) != len(sizes) or min(sizes) < 1 or any(not 0 <= k <= size for k, size in zip(keep, sizes)):
-            raise ValueError(f"every row of a batched forward needs at least one token and keeps at most those; "
-                             f"got {sizes} fed, {keep} kept")
         too_long = max(length + size for length, size in zip(lengths, sizes))
-        if too_long > self.max_length:
-            raise ValueError(f"sequence of {too_long} tokens exceeds the model's context of {self.max_length}")
         B, n, fed = len(slots), max(sizes), sum(sizes)
         padding = B * n - fed
         packed = B > 1 and padding >= PACKED_MIN_PADDING and padding * PACKED_WHEN_PADDING > fed
@@ -253,8 +249,8 @@ class LeanBatch:
         if end > self._capacity:
             self._grow(end)
         if packed:  # one sequence of the rows side by side: token t of row b sits at length_b + t
-            place = torch.tensor([p for length, size in zip(lengths, sizes) for p in range(length, length + size)],
-                                 device=self.device)
+            place = device_tensor([p for length, size in zip(lengths, sizes) for p in range(length, length + size)],
+                                  self.device)
             tokens, cos, sin = torch.cat(feeds)[None], self.cos[place][None], self.sin[place][None]
             attend = _Packed(slots, lengths, sizes, self.device)
             starts = [0] + list(itertools.accumulate(sizes))[:-1]
@@ -264,7 +260,7 @@ class LeanBatch:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start) if n > 1 else None
             attend, starts = _Padded(slots, start, None, end, mask), [0]
         else:  # row b's query j sits at position length_b + j and sees cache positions t <= it
-            positions = torch.tensor(lengths, device=self.device)[:, None] + torch.arange(n, device=self.device)
+            positions = device_tensor(lengths, self.device)[:, None] + torch.arange(n, device=self.device)
             tokens = torch.stack([f if f.numel() == n else torch.cat([f, f[-1:].expand(n - f.numel())])
                                   for f in feeds])  # [B, n]; padding past a row's end
             cos, sin = self.cos[positions], self.sin[positions]  # [B, n, 1, hd]
@@ -276,11 +272,11 @@ class LeanBatch:
         for s, size in zip(slots, sizes):
             self.lengths[s] += size
         if not sum(keep):
-            return [h.new_empty(0, self.net.head.out_features) for _ in keep]
+            return [h.new_empty(0, self.vocab_size) for _ in keep]
         flat = h.view(-1, h.shape[-1])
         if keep != sizes or flat.shape[0] != fed:  # only the kept tokens meet the LM head
             kept = [start + size - k + j for start, size, k in zip(starts, sizes, keep) for j in range(k)]
-            flat = flat[torch.tensor(kept, dtype=torch.long, device=self.device)]
+            flat = flat[device_tensor(kept, self.device)]
         logits = self.net.head(F.rms_norm(flat, flat.shape[-1:], self.net.norm, self.net.eps))  # [sum(keep), V]
         return list(logits.split(keep))
 
@@ -322,8 +318,8 @@ class LeanBatch:
             raise ValueError(f"rows {rows} are not ascending rows of the {held} held after {base}")
         moved = [i for i, r in enumerate(rows) if r != i]
         if moved:
-            src = torch.tensor([base + rows[i] for i in moved], device=self.device)
-            dst = torch.tensor([base + i for i in moved], device=self.device)
+            src = device_tensor([base + rows[i] for i in moved], self.device)
+            dst = device_tensor([base + i for i in moved], self.device)
             for cache in (*self.keys, *self.values):
                 cache[slot, :, dst] = cache[slot, :, src]
         self.lengths[slot] = base + len(rows)
@@ -346,44 +342,8 @@ class LeanBatch:
         for s in range(self.slots) if slot is None else (slot,):
             self.lengths[s] = 0
 
-
-class LeanModel:
-    """The Model protocol (one sequence) over a LeanNet (built from a transformers model, or given): a one-slot
-    LeanBatch. It also verifies token trees (forward_tree, keep)."""
-
-    def __init__(self, model: nn.Module | LeanNet) -> None:
-        self.net = model if isinstance(model, LeanNet) else LeanNet(model.eval())
-        self._batch = LeanBatch(self.net, 1)
-        self.device, self.dtype = self._batch.device, self._batch.dtype
-        self.vocab_size = self.net.vocab_size
-
-    @property
-    def max_length(self) -> int:
-        return self._batch.max_length
-
-    @max_length.setter
-    def max_length(self, value: int) -> None:
-        self._batch.max_length = value
-
-    @property
-    def length(self) -> int:
-        return self._batch.lengths[0]
-
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """tokens: [n] long on self.device -> logits [n, V] (or [1, V] with last_only)."""
-        return self._batch.forward_rows([0], [tokens], last_only)[0]
-
-    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, base: int, visible: torch.Tensor,
-                     last_position: int) -> torch.Tensor:
-        """Tree nodes: see LeanBatch.forward_tree."""
-        return self._batch.forward_tree(0, tokens, positions, base, visible, last_position)
-
-    def keep(self, base: int, rows: list[int]) -> None:
-        """Keep an accepted path's rows after `base`: see LeanBatch.keep."""
-        self._batch.keep(0, base, rows)
-
-    def rollback(self, length: int) -> None:
-        self._batch.rollback(0, length)
-
-    def reset(self) -> None:
-        self._batch.reset()
+    def with_slots(self, slots: int) -> LeanBatch:
+        """A LeanBatch of `slots` sequences on the same net (the weights shared, caches of its own)."""
+        batch = LeanBatch(self.net, slots)
+        batch.max_length = self.max_length
+        return batch

@@ -1,37 +1,51 @@
 """llama.cpp backend (llama-cpp-python): GGUF models on llama.cpp's quantized CPU kernels.
 
-One llama.cpp context per model, one sequence (seq_id 0). `forward` builds a llama_batch with a logits
-flag on every new position (or only the last), decodes it and copies those rows out as float32; rollback
-removes the KV cells past the kept length (`llama_memory_seq_rm`), which is exact: llama.cpp's cache is
-per-position and nothing else carries state. llama.cpp works on host memory, so token ids come to the
-host for every forward and logits go to `device` (the pipeline's device) once per call.
+A `LlamaCppModel` is the Model protocol over one llama.cpp context of `slots` sequences (seq ids). `forward_rows`
+puts every row's tokens in one llama_batch, each at its sequence's own positions, with a logits flag on the
+positions whose logits are kept, decodes it (in llama_decode calls of at most n_batch tokens) and copies those rows
+out as float32; rollback removes a sequence's KV cells past the kept length (`llama_memory_seq_rm`), which is
+exact: llama.cpp's cache is per position and nothing else carries state. A context of several slots is unified
+(one pass over the weights for all rows, whatever their lengths) and places token p of sequence s in cell
+p * slots + s (the patch's VERISPEC_KV_INTERLEAVE), so a sequence's cells keep the order of its positions, as when
+it is alone. `with_slots(n)` opens another context on the same weights. llama.cpp works on host memory, so token
+ids come to the host for every pass and logits go to `device` (the pipeline's device) once per call.
 
 `make install-llamacpp` builds llama-cpp-python with verispec's kernel patch (native/llama.cpp-kernels.patch):
-multi-column kernels that read each Q4_K/Q6_K weight block once for up to a dozen tokens of a pass and compute
-every token bitwise as a one-token pass would; and a batch-invariant mode in which a pass over n <= EXACT_WIDTH tokens gives
-bitwise the logits of n one-token passes whatever the weight types. One-token flash attention is not split across
-threads over long contexts (the split sums the context in another order than a wider pass; on a few cores it
-saves nothing measurable), so with Q4_K/Q6_K weights verification gives plain decoding's logits by default.
-`kernels()` says which kernels this process runs.
+multi-column kernels that read each Q4_K/Q6_K weight block once for many tokens of a pass and compute every token
+bitwise as a one-token pass would; flash attention on its one-row kernel for every row (no tiles, no split over
+threads), so a row's attention does not depend on the rows beside it; and a batch-invariant mode in which every
+pass gives bitwise the logits of its tokens' one-token passes whatever the weight types. So with Q4_K/Q6_K weights
+(and with any weights in the exact mode) a sequence's logits are the same in any pass, alone or batched:
+verification gives plain decoding's logits, and a batched request gets bitwise its output alone. `kernels()` says
+which kernels this process runs; `LlamaCppModel.batch_invariant` whether that holds for a model.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from verispec.backends.base import check_rows
 from verispec.names.errors import ModelError
 
-EXACT_WIDTH = 16  # the widest pass the batch-invariant kernels cover: k + 1 tokens, so k <= 15
+N_BATCH = 512  # tokens per llama_decode call (a longer pass is split)
+EXACT_WIDTH = N_BATCH  # the widest pass the batch-invariant kernels cover: every pass
 ENV_EXACT = "VERISPEC_GGML_EXACT"  # the patch's process-wide switches, read when llama.cpp first computes
 ENV_MULTICOL = "VERISPEC_GGML_MULTICOL"
 ENV_SPLIT_KV = "VERISPEC_GGML_FA_SPLIT_KV"
+ENV_FA_TILED = "VERISPEC_GGML_FA_TILED"
+ENV_KV_INTERLEAVE = "VERISPEC_KV_INTERLEAVE"
+# verispec's defaults for those switches: every row's attention on the one-row kernel, and each sequence's cells in
+# the order of its positions (see the module docstring); set before llama.cpp first computes
+BATCH_INVARIANT_ENV = {ENV_SPLIT_KV: "0", ENV_FA_TILED: "0", ENV_KV_INTERLEAVE: "1"}
+INVARIANT_TYPES = {12: "Q4_K", 14: "Q6_K"}  # GGUF weight types whose multi-column kernels are batch-invariant
 KV_MEMORY_SHARE = 0.25  # the most of the available memory one model's KV cache may take
 CONTEXT_STEP = 256  # a context chosen from memory is a multiple of this (and at least this)
 KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV cache type is f16
@@ -58,30 +72,54 @@ class Kernels:
     """The llama.cpp kernels of this process. `build`: verispec's build key (None: llama-cpp-python was not built
     by `make install-llamacpp`); `multicol`: verispec's multi-column kernels are compiled in (x86 with AVX512-VNNI);
     `amx`: llama.cpp's AMX kernels are; `exact`: the widest pass computed by batch-invariant kernels (0: none);
-    `split_kv`: one-token flash attention splits long contexts across threads."""
+    `split_kv`: one-token flash attention splits long contexts across threads; `tiled_fa`: flash attention runs
+    its tiled kernel for passes of many rows; `interleave`: a context of several sequences keeps each one's cells
+    in the order of its positions."""
 
     build: str | None
     multicol: bool
     amx: bool
     exact: int
     split_kv: bool = False
+    tiled_fa: bool = False
+    interleave: bool = True
 
-    def describe(self) -> str:
-        """One line: which kernels verify a pass over a few tokens, and why."""
+    def variance(self, weight_types: Iterable[str] = ()) -> str | None:
+        """Why a model with these matmul weight types (GGUF type names) may get different logits for a token in
+        passes of different widths or with other sequences beside it; None: it never does (batch-invariant)."""
+        if self.build is None:
+            return "stock llama-cpp-python kernels round a token differently in passes of different widths"
+        if self.split_kv or self.tiled_fa or not self.interleave:
+            return "flash attention's kernel depends on the pass (split or tiled attention is switched on)"
+        if self.exact:
+            return None
+        if self.amx:
+            return "llama.cpp's AMX kernels round a token differently in passes of different widths"
+        if not self.multicol:
+            return "this CPU lacks AVX512-VNNI, which verispec's multi-column kernels need"
+        other = sorted(set(weight_types) - set(INVARIANT_TYPES.values()))
+        if other:
+            return (f"{', '.join(other)} weights run llama.cpp's own kernels, not made to compute a token alike in "
+                    f"passes of every width (--exact-kernels makes them)")
+        return None
+
+    def describe(self, weight_types: Iterable[str] | None = None) -> str:
+        """One line: which kernels verify a pass over a few tokens, and why; with a model's weight types, whether
+        its tokens' logits are batch-invariant."""
         if self.build is None:
             line = ("stock llama-cpp-python kernels (built without verispec's patch: `make install-llamacpp` builds "
                     "the multi-column kernels that make verification cheaper)")
         elif self.multicol:
-            line = ("verispec's multi-column kernels (AVX512-VNNI): each Q4_K/Q6_K weight block read once for up to a "
-                    "dozen tokens of a pass")
+            line = "verispec's multi-column kernels (AVX512-VNNI): each Q4_K/Q6_K weight block read once for a whole pass"
         else:
             line = "stock kernels: this CPU lacks AVX512-VNNI, which verispec's multi-column kernels need"
         if self.amx:
             line += "; llama.cpp's AMX kernels"
         if self.exact:
-            line += f"; batch-invariant up to {self.exact} tokens (exact kernels)"
-        elif self.split_kv:
-            line += "; one-token attention split across threads (verification can round differently)"
+            line += "; exact kernels for every weight type"
+        if weight_types is not None:
+            why = self.variance(weight_types)
+            line += "; batch-invariant" if why is None else f"; not batch-invariant: {why}"
         return "llama.cpp: " + line
 
 
@@ -92,13 +130,19 @@ def _features() -> dict[str, str]:
     return {name.strip().split(":")[-1].strip(): value.strip() for name, value in pairs}
 
 
+def _switch(name: str) -> bool:
+    return os.environ.get(name, BATCH_INVARIANT_ENV[name]) != "0"
+
+
 def kernels() -> Kernels:
     """The kernels llama.cpp runs in this process (see Kernels)."""
     features = _features()
     build = features.get("VERISPEC_BUILD")
-    exact = int(os.environ.get(ENV_EXACT) or 0) if build is not None else 0
-    split_kv = build is None or os.environ.get(ENV_SPLIT_KV, "0") != "0"
-    return Kernels(build, features.get("VERISPEC_MULTICOL") == "1", features.get("AMX_INT8") == "1", exact, split_kv)
+    if build is None:
+        return Kernels(None, False, features.get("AMX_INT8") == "1", 0, True, True, False)
+    exact = int(os.environ.get(ENV_EXACT) or 0)
+    return Kernels(build, features.get("VERISPEC_MULTICOL") == "1", features.get("AMX_INT8") == "1", exact,
+                   _switch(ENV_SPLIT_KV) and not exact, _switch(ENV_FA_TILED), _switch(ENV_KV_INTERLEAVE))
 
 
 _opened = False  # a llama.cpp model was opened in this process: it may have computed, its switches read
@@ -122,7 +166,7 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch: int = 512,
+def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch: int = N_BATCH,
                gpu: bool = False, **kwargs):
     """A llama_cpp.Llama on `path` with verispec's defaults: every core for decode and batch, quiet, and
     flash attention on. Without flash attention llama.cpp's K*Q product gives different logits for a token
@@ -133,7 +177,8 @@ def open_llama(path: str, n_ctx: int = 0, n_threads: int | None = None, n_batch:
     global _opened
     llama_cpp = import_llama_cpp()
     threads = n_threads or default_threads()
-    os.environ.setdefault(ENV_SPLIT_KV, "0")  # see the module docstring; read when llama.cpp first computes
+    for name, value in BATCH_INVARIANT_ENV.items():  # see the module docstring; read when llama.cpp first computes
+        os.environ.setdefault(name, value)
     _opened = True
     try:
         return llama_cpp.Llama(
@@ -190,15 +235,21 @@ def _value(buf, at: int, kind: int, keep: bool) -> tuple[object, int]:
     raise ValueError(f"unknown GGUF value type {kind}")
 
 
-def gguf_metadata(path: str) -> dict[str, object]:
-    """The GGUF header's key-value metadata, less the tokenizer's (long arrays, skipped unread)."""
+GGUF_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
+              12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+
+
+def _read_gguf(path: str, tensors: bool = False) -> tuple[dict[str, object], list[tuple[str, list[int], int]]]:
+    """The GGUF header's key-value metadata, less the tokenizer's (long arrays, skipped unread), and with
+    `tensors` each tensor's (name, dims, type id)."""
     import mmap
 
     meta: dict[str, object] = {}
+    infos: list[tuple[str, list[int], int]] = []
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise ModelError(f"'{path}' is not a GGUF file")
-        version, _, count = struct.unpack_from("<IQQ", buf, 4)
+        version, n_tensors, count = struct.unpack_from("<IQQ", buf, 4)
         if version < 2:
             raise ModelError(f"'{path}' is a GGUF version {version} file; version 2 or later is needed")
         at = 24
@@ -208,7 +259,34 @@ def gguf_metadata(path: str) -> dict[str, object]:
             value, at = _value(buf, at + 4, kind, keep=not key.startswith("tokenizer."))
             if value is not None:
                 meta[key] = value
-    return meta
+        for _ in range(n_tensors if tensors else 0):
+            name, at = _value(buf, at, _STRING, keep=True)
+            n_dims = struct.unpack_from("<I", buf, at)[0]
+            dims = list(struct.unpack_from(f"<{n_dims}Q", buf, at + 4))
+            kind = struct.unpack_from("<I", buf, at + 4 + 8 * n_dims)[0]
+            infos.append((name, dims, kind))
+            at += 4 + 8 * n_dims + 4 + 8
+    return meta, infos
+
+
+def gguf_metadata(path: str) -> dict[str, object]:
+    """The GGUF header's key-value metadata, less the tokenizer's (long arrays, skipped unread)."""
+    return _read_gguf(path)[0]
+
+
+def matmul_weight_types(path: str) -> set[str]:
+    """The types of a GGUF's matrix-multiplied weights (2-D tensors but the token embedding, which is only looked
+    up unless the file has no output matrix): their names in GGUF_TYPES, Q4_K that llama.cpp cannot repack (rows
+    not a multiple of 8) as 'Q4_K (not repacked)'."""
+    infos = _read_gguf(path, tensors=True)[1]
+    tied = not any(name == "output.weight" for name, _, _ in infos)
+    types = set()
+    for name, dims, kind in infos:
+        if len(dims) != 2 or (name == "token_embd.weight" and not tied):
+            continue
+        label = GGUF_TYPES.get(kind, f"type {kind}")
+        types.add("Q4_K (not repacked)" if label == "Q4_K" and dims[1] % 8 else label)
+    return types
 
 
 def kv_bytes_per_token(meta: Mapping[str, object]) -> int:
@@ -242,115 +320,150 @@ def available_memory() -> int | None:
         return None
 
 
-def context_size(meta: Mapping[str, object], available: int | None, requested: int | None = None) -> int:
-    """llama.cpp's n_ctx for a model: `requested` when given; else the model's trained context (its GGUF
-    `context_length`), lowered when its KV cache would take more than KV_MEMORY_SHARE of the `available`
-    memory (bytes; None: unknown, no bound), to a multiple of CONTEXT_STEP tokens and never below one step.
-    The share leaves room for the weights, a second model and the rest of the process."""
+def context_size(meta: Mapping[str, object], available: int | None, requested: int | None = None,
+                 slots: int = 1) -> int:
+    """llama.cpp's context per sequence for a model whose context holds `slots` sequences: `requested` when given;
+    else the model's trained context (its GGUF `context_length`), lowered when the KV cache of all slots would take
+    more than KV_MEMORY_SHARE of the `available` memory (bytes; None: unknown, no bound), to a multiple of
+    CONTEXT_STEP tokens and never below one step. The share leaves room for the weights, a second model and the
+    rest of the process."""
     if requested is not None:
         return requested
     trained = int(meta[f"{meta['general.architecture']}.context_length"])
     if available is None:
         return trained
-    fits = int(available * KV_MEMORY_SHARE) // kv_bytes_per_token(meta)
+    fits = int(available * KV_MEMORY_SHARE) // (kv_bytes_per_token(meta) * slots)
     return max(CONTEXT_STEP, min(trained, fits // CONTEXT_STEP * CONTEXT_STEP))
 
 
 class LlamaCppModel:
-    """The Model protocol over a llama.cpp context. `device` is where logits are returned; `n_ctx` the
-    context in tokens (None: context_size's rule, from the file's metadata and the available memory);
-    `exact_kernels`: see use_exact_kernels; `flash_attn` False: llama.cpp's attention without flash attention,
-    whose one-token and multi-token passes round differently (for measurements)."""
+    """The Model protocol over a llama.cpp context of `slots` sequences. `device` is where logits are returned;
+    `n_ctx` the context of each sequence in tokens (None: context_size's rule, from the file's metadata and the
+    available memory); `exact_kernels`: see use_exact_kernels; `flash_attn` False: llama.cpp's attention without
+    flash attention, whose one-token and multi-token passes round differently (for measurements)."""
 
     def __init__(self, path: str, device: torch.device = torch.device("cpu"), n_ctx: int | None = None,
-                 n_threads: int | None = None, n_batch: int = 512, exact_kernels: bool = False,
-                 flash_attn: bool = True) -> None:
-        self.path = path
+                 n_threads: int | None = None, n_batch: int = N_BATCH, exact_kernels: bool = False,
+                 flash_attn: bool = True, slots: int = 1) -> None:
         llama_cpp = import_llama_cpp()
-        self._lib = llama_cpp
         if exact_kernels:
             use_exact_kernels()
         if n_ctx is None:
-            n_ctx = context_size(gguf_metadata(path), available_memory())
+            n_ctx = context_size(gguf_metadata(path), available_memory(), slots=slots)
         self.llm = open_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, gpu=device.type == "cuda",
                               flash_attn=flash_attn)
-        self.device = device
+        self._open(llama_cpp, path, device, slots, n_ctx)
+
+    def _open(self, llama_cpp, path: str, device: torch.device, slots: int, n_ctx: int) -> None:
+        """Take the Llama's own context (one slot), or open one of `slots` sequences of n_ctx tokens each on its
+        weights."""
+        self._lib, self.path, self.device, self.slots = llama_cpp, path, device, slots
+        self._context = None
+        if slots == 1:
+            self._ctx = self.llm._ctx.ctx
+        else:
+            from llama_cpp._internals import LlamaContext
+
+            params = llama_cpp.llama_context_params.from_buffer_copy(self.llm.context_params)
+            params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx * slots, slots, True
+            try:
+                self._context = LlamaContext(model=self.llm._model, params=params, verbose=False)
+            except ValueError as exc:
+                raise ModelError(f"llama.cpp cannot open a context of {slots} sequences x {n_ctx} tokens for "
+                                 f"'{path}': {exc}") from exc
+            self._ctx = self._context.ctx
         self.vocab_size = int(self.llm.n_vocab())
-        self.max_length = int(self.llm.n_ctx())
-        self.n_batch = int(self.llm.n_batch)
-        self._ctx = self.llm._ctx.ctx  # the llama_context pointer
+        self.max_length = int(self._lib.llama_n_ctx(self._ctx)) // slots
+        self.n_batch = int(self._lib.llama_n_batch(self._ctx))
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._length = 0
+        self._seq = list(range(slots))  # slot -> its llama.cpp sequence id (move swaps them)
+        self.lengths = [0] * slots
         self.reset()
+
+    def with_slots(self, slots: int) -> LlamaCppModel:
+        """A context of `slots` sequences on the same weights (each sequence this one's context, bounded so that
+        all of them together take at most KV_MEMORY_SHARE of the available memory)."""
+        meta = gguf_metadata(self.path)
+        n_ctx = min(self.max_length, context_size(meta, available_memory(), slots=slots))
+        model = LlamaCppModel.__new__(LlamaCppModel)
+        model.llm = self.llm
+        model._open(self._lib, self.path, self.device, slots, n_ctx)
+        return model
+
+    @functools.cached_property
+    def weight_types(self) -> set[str]:
+        """The types of the model's matrix-multiplied weights (see matmul_weight_types)."""
+        return matmul_weight_types(self.path)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's logits are the same in every pass, whatever its width and the rows beside it."""
+        return kernels().variance(self.weight_types) is None
 
     def __del__(self) -> None:
         batch, self._batch = getattr(self, "_batch", None), None
         if batch is not None:
             self._lib.llama_batch_free(batch)
 
-    @property
-    def length(self) -> int:
-        return self._length
+    def forward_rows(self, slots: list[int], feeds: list[torch.Tensor], last_only: bool = False,
+                     keep: list[int] | None = None) -> list[torch.Tensor]:
+        """Every row's tokens in one llama_batch (split into llama_decode calls of at most n_batch tokens), each at
+        its sequence's positions; each row's last keep[b] logits [keep_b, V], float32 on self.device."""
+        keep = check_rows(self, slots, feeds, last_only, keep)
+        rows = [feed.tolist() for feed in feeds]  # the pass's one device -> host copy of its tokens
+        if min(min(ids) for ids in rows) < 0 or max(max(ids) for ids in rows) >= self.vocab_size:
+            raise ValueError(f"a token id is out of range for the vocabulary of {self.vocab_size}")
+        tokens = [(self._seq[slot], self.lengths[slot] + j, token, j >= len(ids) - k)
+                  for slot, ids, k in zip(slots, rows, keep) for j, token in enumerate(ids)]
+        out = [self._decode(tokens[at : at + self.n_batch], slots) for at in range(0, len(tokens), self.n_batch)]
+        for slot, ids in zip(slots, rows):
+            self.lengths[slot] += len(ids)
+        logits = torch.from_numpy(out[0] if len(out) == 1 else np.concatenate(out)).to(self.device, non_blocking=True)
+        return list(logits.split(keep))
 
-    def _decode(self, ids: list[int], all_logits: bool) -> int:
-        """Decode one batch (<= n_batch tokens) at positions _length...; returns rows of logits produced."""
+    def _decode(self, tokens: list[tuple[int, int, int, bool]], slots: list[int]) -> np.ndarray:
+        """Decode one llama_batch of (sequence, position, token, wants logits); the logits of the flagged tokens,
+        in batch order. A failed decode may leave some cells written: every row's cells past its held length go."""
         b = self._batch
-        n = len(ids)
-        b.n_tokens = n
-        for i, token in enumerate(ids):
-            b.token[i] = token
-            b.pos[i] = self._length + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = all_logits
-        b.logits[n - 1] = True
+        b.n_tokens = len(tokens)
+        for i, (seq, pos, token, wanted) in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, wanted
+            b.seq_id[i][0] = seq
         status = self._lib.llama_decode(self._ctx, b)
         if status != 0:
-            # a failed decode may leave some cells written: drop everything past the committed length
-            self._remove_from(self._length)
+            for slot in slots:
+                self._remove_from(slot, self.lengths[slot])
             raise RuntimeError(f"llama_decode failed with status {status}")
-        self._length += n
-        return n if all_logits else 1
-
-    def _logits(self, rows: int) -> np.ndarray:
+        rows = sum(wanted for *_, wanted in tokens)
+        if not rows:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
         ptr = self._lib.llama_get_logits(self._ctx)
         flat = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(rows * self.vocab_size,))
         return flat.reshape(rows, self.vocab_size).copy()
 
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """tokens: [n] -> logits [n, V] (or [1, V] with last_only), float32 on self.device."""
-        ids = tokens.tolist()
-        n = len(ids)
-        if n == 0:
-            raise ValueError("forward needs at least one token")
-        if self._length + n > self.max_length:
-            raise ValueError(f"sequence of {self._length + n} tokens exceeds the context of {self.max_length} "
-                             f"(llama.cpp n_ctx)")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"a token id is out of range for the vocabulary of {self.vocab_size}")
-        out: list[np.ndarray] = []
-        for start in range(0, n, self.n_batch):
-            chunk = ids[start : start + self.n_batch]
-            last_chunk = start + self.n_batch >= n
-            rows = self._decode(chunk, all_logits=not last_only)
-            if not last_only or last_chunk:
-                out.append(self._logits(rows))
-        logits = torch.from_numpy(out[0] if len(out) == 1 else np.concatenate(out))
-        return logits.to(self.device, non_blocking=True)
-
-    def _remove_from(self, position: int) -> None:
+    def _remove_from(self, slot: int, position: int) -> None:
         memory = self._lib.llama_get_memory(self._ctx)
-        if not self._lib.llama_memory_seq_rm(memory, 0, position, -1):
+        if not self._lib.llama_memory_seq_rm(memory, self._seq[slot], position, -1):
             raise RuntimeError(f"llama.cpp could not remove cache cells from position {position}")
 
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self._length}")
-        if length < self._length:
-            self._remove_from(length)
-            self._length = length
+    def rollback(self, slot: int, length: int) -> None:
+        held = self.lengths[slot]
+        if not 0 <= length <= held:
+            raise ValueError(f"cannot roll back to {length}: cache holds {held}")
+        if length < held:
+            self._remove_from(slot, length)
+            self.lengths[slot] = length
 
-    def reset(self) -> None:
-        self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
-        self._length = 0
+    def move(self, src: int, dst: int) -> None:
+        """Slot dst takes slot src's sequence (an O(1) swap of sequence ids: the cells stay where they are, in
+        the order of their positions); src gets dst's old sequence, whose cache is undefined until reset."""
+        self._seq[src], self._seq[dst] = self._seq[dst], self._seq[src]
+        self.lengths[dst] = self.lengths[src]
 
+    def reset(self, slot: int | None = None) -> None:
+        if slot is None:
+            self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
+            self.lengths[:] = [0] * self.slots
+        else:
+            self._remove_from(slot, 0)
+            self.lengths[slot] = 0

@@ -9,7 +9,7 @@ draft casts its rows to bf16 and back); elsewhere the weights are dequantised on
 The packed kernels are matrix-vector kernels: their cost grows with the rows, bf16's barely does up to ~16
 rows. So on CPU a quantised layer keeps its bf16 weights too and uses them for batches over
 PACKED_MAX_ROWS rows (prefill, catch-up): decoding runs at int speed, prefill at bf16 speed, at the price of
-the extra memory. A batched draft step (verispec.decoding.batch) runs in forwards of at most PACKED_MAX_ROWS rows,
+the extra memory. A batched draft step (verispec.proposers.draft_model) runs in forwards of at most PACKED_MAX_ROWS rows,
 because the packed kernels compute each row alone, bitwise the same whatever the other rows: a sequence's
 q, and so its seeded draws, never depend on its batch mates. The rows chosen never
 change which distribution is verified: q is whatever the draft computed.

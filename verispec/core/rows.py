@@ -1,7 +1,8 @@
 """The rows that feed verification, in one place: the target's processed rows for a chain's positions (argmax ids
 or probabilities, every sampling option and penalty applied row by row, each row seeing the drafts before it), the
 rejection sampler over them, the commit of a round's tokens (the round's one device -> host transfer), and the
-log-probabilities reported for committed tokens; and a token tree's rows, each node's row seeing its own path."""
+log-probabilities reported for committed tokens; and a token tree's rows, each node's row seeing its own path.
+A round moves every row's outcome to the host in one transfer (`outcome`, then `commit` on the host values)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from verispec.core.sampling import (
     token_counts,
 )
 from verispec.core.sequence import TokenSequence
+from verispec.core.timing import device_tensor
 from verispec.core.tree import TokenTree
 from verispec.core.verify import greedy_verify, rejection_sample
 
@@ -63,13 +65,19 @@ def verify(
     return rejection_sample(draft.tokens[None], None if draft.probs is None else draft.probs[None], rows[None], gen)
 
 
+def outcome(n: torch.Tensor, nxt: torch.Tensor, draft: Draft) -> torch.Tensor:
+    """A verified row's outcome as one tensor for the round's one device -> host transfer: [accepted, the target's
+    token, the drafts...] (`commit` takes it back on the host)."""
+    return torch.cat([n, nxt, draft.tokens])
+
+
 def commit(
-    seq: TokenSequence, draft: Draft, n: torch.Tensor, nxt: torch.Tensor, logits: torch.Tensor,
+    seq: TokenSequence, draft: Draft, host: list[int], nxt: torch.Tensor, logits: torch.Tensor,
     params: SamplingParams, logprobs: list[TokenLogprob] | None, top_logprobs: int,
 ) -> tuple[list[int], int]:
-    """Append the accepted drafts and the target's token to seq (the round's one device -> host sync); with
-    `logprobs`, append each committed token's TokenLogprob. Returns (committed ids, accepted count)."""
-    host = torch.cat([n, nxt, draft.tokens]).tolist()
+    """Append the accepted drafts and the target's token to seq, from the row's `outcome` on the host (`nxt` the
+    target's token still on the device); with `logprobs`, append each committed token's TokenLogprob. Returns
+    (committed ids, accepted count)."""
     accepted = host[0]
     committed = host[2 : 2 + accepted] + [host[1]]
     if logprobs is not None:
@@ -122,7 +130,7 @@ def tree_rows(logits: torch.Tensor, tree: TokenTree, params: SamplingParams, seq
     position = len(seq.generated)
     if not params.masks_stops(position):
         return _process(logits, params, presence, counts, position, log)
-    depths = torch.tensor([0, *tree.depths], device=logits.device)  # min_tokens masks by depth: a group each
+    depths = device_tensor([0, *tree.depths], logits.device)  # min_tokens masks by depth: a group each
     out = None
     for d in range(tree.depth + 1):
         rows = (depths == d).nonzero().squeeze(-1)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.core.timing import device_tensor
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -128,7 +130,7 @@ def mask_stop_ids(logits: torch.Tensor, params: SamplingParams, position: int) -
     rows = min(max(params.min_tokens - position, 0), logits.shape[0])
     if rows == 0 or not params.stop_ids:
         return logits
-    ids = torch.tensor(params.stop_ids, dtype=torch.long, device=logits.device)
+    ids = device_tensor(params.stop_ids, logits.device)
     logits = logits.clone()
     logits[:rows, ids] = -math.inf
     return logits

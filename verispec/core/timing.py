@@ -7,8 +7,9 @@ marks points with events recorded on the device's current stream and reads the t
 the round's one sync (`seconds`): the stages' real durations on the device's timeline, at no extra sync. On the
 CPU (and for llama.cpp, whose calls return when the work is done) it is the host's perf_counter.
 
-One-off timings that are needed before the next sync (a draft's timed step, the prefill) call `sync`
-instead: once per generation, not per round.
+One-off timings that are needed before the next sync (a draft's timed step) call `sync` instead: once per
+generation, not per round. Host values a round sends to the device (positions, indices, looked-up drafts) go with
+`device_tensor`, which does not wait for the device either.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from __future__ import annotations
 import time
 
 import torch
+
+
+def device_tensor(values, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of host values (a list of ints, say) on `device`, copied without waiting for the device's queue:
+    `torch.tensor(values, device="cuda")` copies synchronously, which waits for every kernel queued before it."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def sync(device: torch.device) -> None:

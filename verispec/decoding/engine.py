@@ -1,44 +1,79 @@
-"""The speculative decoding loop: propose -> verify -> commit/rollback, until a stop.
+"""The speculative decoding round, for every sequence being decoded at once, and the loop that runs it.
 
-Invariant at the start of every round: the target's cache holds the committed sequence minus its
-last token. A round feeds [last committed token, d_1 .. d_k] to the target in ONE forward pass, which
-gives p for k+1 positions; the verifier accepts n drafts and yields one more token (recovered or
-bonus); the target's cache is cropped to keep exactly the committed tokens it has seen. With k = 0 the
-round is plain decoding, through the same sampling code: that is the baseline.
+An engine holds up to `max_batch` requests (rows), one per slot of its target (a Model of that many slots); a
+lone request is a batch of one, through the same round:
 
-The first round is the exception: the prefill feeds the whole prompt and keeps its last row of logits
-(p for the first new position), so that round feeds only [d_1 .. d_k] (nothing at all when k = 0), as
-plain decoders do; feeding the prompt's last token again on its own would cost one more forward per
-generation (~1% of a 96-token generation on llama.cpp).
+    plan: each row's k policy plans its draft -> draft: the drafter drafts every drafting row (a draft model
+    runs each step for all of them in one forward) -> score: ONE target pass over every row's unseen committed
+    tokens and drafts -> verify: each row on its own (its own sampling settings and generator) -> one device ->
+    host transfer of every row's outcome -> commit: each row's tokens appended, its slot rolled back to them, the
+    drafter told what was accepted, the round settled (stats, stops, max_new_tokens).
 
-A tree drafter's round (the draft carries a TokenTree) is the same round: one target pass over the root
-and all nodes with a tree mask, the walk of verispec.core.tree instead of the chain's verifier, and the target's
-cache keeps the accepted path (moved into place) instead of a prefix.
+Between rounds a row's target cache holds a prefix of its committed sequence, at most all but its last token. A
+round feeds what the cache has not seen (the last committed token; for a request that just joined, its prompt)
+followed by the drafts, and keeps the logits of the last k + 1 positions: p after the committed sequence and after
+each draft. The verifier accepts n drafts and yields one more token (recovered or bonus); the slot is rolled back
+to the committed tokens it has seen. So a joining request's prefill rides in the round's shared pass, and its first
+round verifies drafts in the same pass; with k = 0 a round is plain decoding, through the same code (the baseline).
+Prompts are fed at most `prefill_chunk` tokens per round in all (the oldest request's first), so a long prompt goes
+in over several rounds while the other rows keep committing. A token tree (the tree drafter's draft) is verified in
+a tree-masked pass of its own row; trees do not batch.
 
-The engine knows token ids only. Text-level stops come in as a callback from the edge.
+A row's tokens depend only on its own prompt, settings and generator, never on its batch mates: greedy rows equal
+plain decoding, sampled rows follow the target's distribution (as far as the target computes a row the same in
+any pass: see verispec.backends). Requests join between rounds (`add`) and leave when they finish or are
+cancelled; the active rows keep the lowest slots (a leaving row's slot takes the last row's cache), so a padded
+cache is read as one view. A slot's cache outlives its request: the next request in it keeps their common prefix.
+
+k: a fixed k is planned by `FixedK`; 'auto' by the engine's k policy (it learns across generations; the engine
+knows no concrete policy: verispec.assembly picks one per drafter), row by row when the round has one row, and all
+its rows at once when several rows share the pass (a SharedKPolicy weighs each draft against the width it adds to
+the shared pass). The engine knows token ids only; text stops come in as a callback from the edge.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from verispec.backends.base import Model, TreeModel, common_prefix_length
 from verispec.core.draft import Draft
-from verispec.core.rows import TokenLogprob, commit, token_logprobs, tree_rows, verify
+from verispec.core.rows import TokenLogprob, commit, outcome, token_logprobs, tree_rows, verify
 from verispec.core.sampling import SamplingParams, make_generator
 from verispec.core.sequence import TokenSequence
-from verispec.core.timing import Clock, sync
+from verispec.core.timing import Clock, device_tensor, sync
 from verispec.core.tree import TokenTree, verify_tree
-from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView
+from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView, SharedKPolicy
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.decoding.round import settle
-from verispec.decoding.stats import SpecStats
 from verispec.names.drafters import Source
 from verispec.names.k import DEFAULT_K, check_k
-from verispec.proposers.base import Proposer
+from verispec.proposers.base import Drafter
+from verispec.proposers.lookup import no_draft
+
+PREFILL_CHUNK = 512  # prompt tokens a round feeds at most, over all the rows still being prefilled
+
+
+@dataclass(eq=False)
+class Row:
+    """One request being decoded: its resolved request, k policy and stop test, and its slot, committed sequence,
+    generator and result (filled as rounds commit). `prefilled` once a round has fed its whole prompt; `done` once
+    it finished or was cancelled."""
+
+    request: Resolved
+    policy: KPolicy
+    stop: StopFn | None
+    result: GenerationResult
+    seq: TokenSequence
+    generator: torch.Generator
+    slot: int
+    logprobs: list[TokenLogprob] | None = None
+    started: float = field(default_factory=time.perf_counter)
+    prefilled: bool = False
+    done: bool = False
 
 
 class Generation:
@@ -57,217 +92,346 @@ class Generation:
 
 
 class SpeculativeGenerator:
-    """One sequence's speculative decoding. `target` must be a TreeModel for a tree drafter; `auto_policy` is the
-    k policy of k = 'auto' (it learns across generations; the engine knows no concrete policy: verispec.assembly
-    picks one per drafter), needed only where 'auto' is asked for."""
+    """Speculative decoding over one target and one drafter (None: plain decoding), for up to `target.slots`
+    requests at once. Requests resolve against this target's EOS ids and the pair's context (`max_length`), so that
+    a request means the same alone and in a batch. `target` must be a TreeModel for a tree drafter; `auto_policy`
+    is the k policy of k = 'auto', needed only where 'auto' is asked for."""
 
     def __init__(
         self,
-        target: Model | TreeModel,
-        proposer: Proposer | None = None,
+        target: Model,
+        drafter: Drafter | None = None,
         eos_token_ids: Iterable[int] = (),
         num_draft_tokens: int | str = DEFAULT_K,
         auto_policy: KPolicy | None = None,
+        max_length: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target = target
-        self.proposer = proposer
+        self.drafter = drafter
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.num_draft_tokens = check_k(num_draft_tokens)
         self.k_policy = auto_policy
         if num_draft_tokens == "auto":
             self._check_auto()
+        self.max_batch = target.slots
+        self.max_length = min(target.max_length, max_length or target.max_length)  # the pair's context
+        self.prefill_chunk = prefill_chunk
         self.device = target.device
+        self.active: list[Row] = []  # active[i] holds slot i
+        self._held: list[list[int]] = [[] for _ in range(self.max_batch)]  # a free slot's cached ids
         self._clock = Clock(self.device)  # times the round's stages on the device's timeline
-        self._target_held: list[int] = []  # host copy of the committed tokens in the target's cache
 
     def _check_auto(self) -> None:
         if self.k_policy is None:
             raise ValueError("k = 'auto' needs a k policy (auto_policy)")
 
-    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.active)
 
-    def _prefill(self, seq: TokenSequence) -> tuple[torch.Tensor, int]:
-        """Bring the target's cache to all of seq, reusing the longest common prefix it already holds (at
-        least the last token is fed: its logits are needed). Returns them, [1, V], and how many tokens it fed."""
-        keep = min(common_prefix_length(self._target_held, seq.ids), len(seq) - 1, self.target.length)
-        self.target.rollback(keep)
-        head = self.target.forward(seq.device_ids[keep:], last_only=True)
-        self._target_held = seq.ids[: self.target.length]
-        return head, len(seq) - keep
-
-    def _score(self, seq: TokenSequence, drafts: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
-        """The target's logits [k+1, V] for the positions after seq and after each draft: ONE forward pass
-        over [last committed token, d_1 .. d_k] (the first round: over the drafts, the prefill gave `head`)."""
-        if head is None:
-            return self.target.forward(torch.cat([seq.device_ids[-1:], drafts]))
-        return torch.cat([head, self.target.forward(drafts)]) if drafts.numel() else head
-
-    def _catch_up(self, seq: TokenSequence, plan: Plan) -> int:
-        """Feed the draft the committed tokens it has not seen, when it is about to draft; returns how many."""
-        if plan.draft is not None or plan.k == 0 or not self.proposer.pending(seq):
-            return 0
-        return self.proposer.catch_up(seq)
-
-    def _draft(self, seq: TokenSequence, plan: Plan) -> Draft:
-        """The round's draft: the policy's own, the proposer's, or none (plain decoding)."""
-        if plan.draft is not None:
-            return plan.draft
-        if plan.k == 0:
-            return Draft(seq.device_ids.new_empty(0), None, "")
-        return self.proposer.propose(seq, plan.k, plan.depth)
-
-    def _score_tree(self, seq: TokenSequence, tree: TokenTree, head: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """The target's logits [m + 1, V] for the root and each tree node, in ONE tree-masked forward pass
-        (over the root and the nodes; the first round: over the nodes, the prefill gave `head`), and the cache
-        position where the pass's rows begin."""
-        device = seq.device_ids.device
-        length = len(seq)
-        last = length - 1 + tree.depth
-        positions = length - 1 + torch.tensor(tree.depths, dtype=torch.long, device=device)
-        paths = tree.paths()  # [m + 1, m]
-        if head is not None:
-            return torch.cat([head, self.target.forward_tree(tree.tokens, positions, length, paths[1:], last)]), length
-        tokens = torch.cat([seq.device_ids[-1:], tree.tokens])
-        positions = torch.cat([positions.new_full((1,), length - 1), positions])
-        visible = torch.cat([torch.ones(len(tree) + 1, 1, dtype=torch.bool, device=device), paths], dim=1)
-        return self.target.forward_tree(tokens, positions, length - 1, visible, last), length - 1
-
-    def _verify_tree(
-        self, seq: TokenSequence, tree: TokenTree, params: SamplingParams, gen: torch.Generator,
-        head: torch.Tensor | None, logprobs: list[TokenLogprob] | None, top_logprobs: int,
-    ) -> tuple[list[int], list[int]]:
-        """Score, verify and commit a tree (verispec.core.tree); the target's cache keeps the root and the accepted
-        path. Returns (committed ids, accepted nodes)."""
-        logits, base = self._score_tree(seq, tree, head)
-        path, token = verify_tree(tree_rows(logits, tree, params, seq), tree, params.greedy, gen)
-        rows = [0] + [node + 1 for node in path]  # of logits: the rows that chose each committed token
-        tokens = tree.tokens.tolist()
-        committed = [tokens[node] for node in path] + [token]
-        if logprobs is not None:
-            logp = tree_rows(logits, tree, params, seq, log=True)[rows]
-            logprobs.extend(token_logprobs(logp, committed, top_logprobs))
-        self.target.keep(base, rows if head is None else path)  # the first round's cache has no root row
-        seq.extend(committed, torch.tensor(committed, device=seq.device_ids.device))
-        return committed, path
-
-    def _round(
-        self, seq: TokenSequence, plan: Plan, params: SamplingParams, gen: torch.Generator,
-        head: torch.Tensor | None, logprobs: list[TokenLogprob] | None, top_logprobs: int,
-    ) -> tuple[list[int], RoundReport]:
-        """One round, as the paper has it: propose -> one target pass -> verify -> commit and roll back.
-        `head`: the first round's logits for the position after seq, from the prefill. `logprobs`: a list to
-        append each committed token's TokenLogprob to (None: not asked for)."""
-        clock, start = self._clock, time.perf_counter()
-        t0 = clock.mark()
-        caught_up = self._catch_up(seq, plan)
-        t1 = clock.mark()
-        draft = self._draft(seq, plan)
-        t2 = clock.mark()
-        path: list[int] = []
-        if draft.tree is not None:
-            committed, path = self._verify_tree(seq, draft.tree, params, gen, head, logprobs, top_logprobs)
-            t3, accepted = clock.mark(), len(path)
-        else:
-            logits = self._score(seq, draft.tokens, head)
-            n, nxt = verify(seq, draft, logits, params, gen)
-            t3 = clock.mark()
-            committed, accepted = commit(seq, draft, n, nxt, logits, params, logprobs, top_logprobs)
-        drafted = draft.tokens.numel()
-        self.target.rollback(len(seq) - 1)  # the target's cache keeps exactly the committed tokens it has seen
-        if plan.draft is None and plan.k > 0:
-            self.proposer.observe(seq, drafted, accepted)  # the draft rolls back its own cache
-        return committed, RoundReport(
-            k=plan.k, source=draft.source if drafted else "", drafted=drafted, accepted=accepted, first=head is not None,
-            own_draft=plan.draft is not None, draft_steps=draft.steps, draft_seconds=clock.seconds(t1, t2),
-            verify_seconds=clock.seconds(t2, t3), catchup_seconds=clock.seconds(t0, t1), catchup_tokens=caught_up,
-            seconds=time.perf_counter() - start, tree=draft.tree, path=tuple(path))
-
-    # -- the loop ----------------------------------------------------------------------------------
-
-    def _rounds(self, request: Resolved, policy: KPolicy, stop: StopFn | None,
-                result: GenerationResult) -> Iterator[Committed]:
-        """Prefill, then rounds until max_new_tokens or a stop; yields each round's committed tokens."""
-        stats, t_start = result.stats, time.perf_counter()
-        prompt_ids, params, max_new_tokens = request.prompt_ids, request.params, request.max_new_tokens
-        top_logprobs = request.top_logprobs
-        seq = TokenSequence(prompt_ids, len(prompt_ids) + max_new_tokens + 1, self.device)
-        gen = make_generator(params.seed, self.device)
-        head, fed = self._prefill(seq)
-        sync(self.device)  # the first round waits for the prefill's logits anyway
-        policy.start(time.perf_counter() - t_start, fed)
-        if self.proposer is not None:
-            self.proposer.start(seq, params, gen)
-        stats.prefill_seconds = time.perf_counter() - t_start
-        logprobs = None if top_logprobs is None else []
-        try:
-            while True:
-                plan = policy.choose(self._view(seq, max_new_tokens, stats))
-                committed, report = self._round(seq, plan, params, gen, head, logprobs, top_logprobs or 0)
-                head = None
-                policy.observe(report)
-                settled = settle(seq, committed, report, request, result, stop, logprobs, t_start)
-                if settled.cut:  # what follows the stop leaves the caches too
-                    self.target.rollback(min(self.target.length, len(seq) - 1))
-                if settled.chunk:
-                    yield settled.chunk
-                if settled.done:
-                    return
-        finally:  # what the target's cache holds, for prefix reuse by the next generation
-            self._target_held = seq.ids[: self.target.length]
-
-    def _view(self, seq: TokenSequence, max_new_tokens: int, stats: SpecStats) -> RoundView:
-        """What the k policy sees before a round."""
-        proposer = self.proposer
-        if proposer is None:
-            return RoundView(seq, 0, Source.NONE, 0, lambda: None)
-        return RoundView(seq, max_new_tokens - len(seq.generated) - 1, proposer.source(seq), proposer.pending(seq),
-                         lambda: self._time_draft_step(seq, stats))
-
-    def _time_draft_step(self, seq: TokenSequence, stats: SpecStats) -> float | None:
-        """Seconds of one draft step, fed on the first token the draft must catch up on anyway (None: none
-        pending). Booked as catch-up; a one-off measurement, so it waits for the kernels."""
-        t0 = time.perf_counter()
-        fed = self.proposer.catch_up(seq, 1)
-        sync(self.device)
-        seconds = time.perf_counter() - t0
-        stats.prefill_seconds += seconds
-        return seconds if fed else None
-
-    def stream(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
-               stop: StopFn | None = None, **fields) -> Generation:
-        """Generate round by round: a Request, or prompt ids with params and Request's other fields as
-        keywords. `stop`: the test for the request's text stops, on token ids (the engine knows no text)."""
-        resolved = self.resolve(as_request(request, params, **fields))
-        result = resolved.new_result()
-        policy = self.k_policy if resolved.k == "auto" else FixedK(resolved.k)
-        return Generation(self._guarded(self._rounds(resolved, policy, stop, result)), result)
+    # -- requests in and out -------------------------------------------------------------------------
 
     def resolve(self, request: Request) -> Resolved:
-        """Check a request against the target (ValueError with a one-line reason) and resolve it."""
-        resolved = resolve(request, max_length=self.target.max_length, vocab_size=self.target.vocab_size,
+        """Check a request against the pair (ValueError with a one-line reason) and resolve it."""
+        resolved = resolve(request, max_length=self.max_length, vocab_size=self.target.vocab_size,
                            eos_ids=self.eos_token_ids, default_k=self.num_draft_tokens)
-        if resolved.k == "auto":
+        if resolved.k == "auto" and self.drafter is not None:
             self._check_auto()
         return resolved
 
-    def _guarded(self, rounds: Iterator[Committed]) -> Iterator[Committed]:
-        """An exception inside a round (e.g. KeyboardInterrupt mid-forward) may leave a cache half
-        updated: forget both caches then, so the next generation starts clean. Closing the generation
-        between rounds (GeneratorExit at a yield) is a consistent point and keeps them."""
-        try:
-            yield from rounds
-        except GeneratorExit:
-            raise
-        except BaseException:
-            self.reset()
-            raise
+    def add(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
+            stop: StopFn | None = None, **fields) -> Row:
+        """Admit a request (a Request, or prompt ids with params and Request's other fields as keywords; `stop`:
+        the test for its text stops, on token ids) into a free slot (ValueError: a bad request; RuntimeError: no
+        free slot). It joins the next round, whose target pass feeds its prompt."""
+        if not self.free_slots:
+            raise RuntimeError(f"the batch is full ({self.max_batch} sequences)")
+        resolved = self.resolve(as_request(request, params, **fields))
+        return self._admit(resolved, stop, resolved.new_result())
+
+    def _admit(self, resolved: Resolved, stop: StopFn | None, result: GenerationResult) -> Row:
+        slot, prompt = len(self.active), resolved.prompt_ids
+        k = 0 if self.drafter is None else resolved.k
+        seq = TokenSequence(prompt, len(prompt) + resolved.max_new_tokens + 1, self.device)
+        row = Row(resolved, self.k_policy if k == "auto" else FixedK(k), stop, result, seq,
+                  make_generator(resolved.params.seed, self.device), slot,
+                  None if resolved.top_logprobs is None else [])
+        keep = min(common_prefix_length(self._held[slot], prompt), len(prompt) - 1, self.target.lengths[slot])
+        self.target.rollback(slot, keep)  # the cache keeps what the prompt shares with the slot's last sequence
+        if self.drafter is not None:
+            self.drafter.start(slot, seq, resolved.params, row.generator)
+        row.policy.start()
+        self.active.append(row)
+        return row
+
+    def cancel(self, row: Row) -> None:
+        """Take a request out now (between rounds); its result keeps what was committed."""
+        if any(r is row for r in self.active):
+            self._leave(row)
+
+    def abort(self) -> None:
+        """Drop every request and every cache (after a round failed part-way: no cache is trusted)."""
+        for row in self.active:
+            row.done = True
+        self.active = []
+        self.reset()
 
     def reset(self) -> None:
-        """Drop all cached state (both models' KV caches)."""
+        """Drop all cached state (both models' caches); no request may be active."""
         self.target.reset()
-        self._target_held = []
-        if self.proposer is not None:
-            self.proposer.reset()
+        self._held = [[] for _ in range(self.max_batch)]
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    def _leave(self, row: Row) -> None:
+        row.done = True
+        slot, last = row.slot, len(self.active) - 1
+        if self.drafter is not None:
+            self.drafter.release(slot)
+        if slot == last:  # its cache stays for the next request in the slot
+            self._held[slot] = row.seq.ids[: self.target.lengths[slot]]
+        else:  # keep the active slots one range: the last row moves into the hole
+            moved = self.active[last]
+            self.target.move(last, slot)
+            self.target.reset(last)
+            if self.drafter is not None:
+                self.drafter.move(last, slot)
+            moved.slot, self._held[last] = slot, []
+            self.active[slot] = moved
+        self.active.pop()
+
+    # -- the round -----------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Row, Committed]]:
+        """One round over every active request; returns each request's newly committed tokens (a request that
+        committed nothing, its round cut by a stop or its prompt still being fed, is absent). Finished requests
+        leave."""
+        if not self.active:
+            return []
+        clock, start = self._clock, time.perf_counter()
+        ready, parts = self._prefill_plan()
+        plans, shared = self._plan(ready, parts)
+        catch_ups = [self._catch_up(row, plan) for row, plan in zip(ready, plans)]
+        t1 = clock.mark()
+        drafts = self._drafts(ready, plans)
+        t2 = clock.mark()
+        fed = [len(row.seq) - self.target.lengths[row.slot] + draft.tokens.numel() for row, draft in zip(ready, drafts)]
+        if ready and drafts[0].tree is not None:  # a token tree: its own tree-masked pass (trees do not batch)
+            results = [self._verify_tree(ready[0], drafts[0].tree)]
+            t3 = clock.mark()
+        else:
+            logits = self._score(ready, drafts, parts)
+            verified = [verify(row.seq, draft, row_logits, row.request.params, row.generator)
+                        for row, draft, row_logits in zip(ready, drafts, logits)]
+            t3 = clock.mark()
+            results = self._commit(ready, drafts, logits, verified)
+        if parts and not ready:  # no outcome synced the round: the parts' time is read after the device's
+            sync(self.device)
+        self._book_parts(parts, clock.seconds(t2, t3) if parts else 0.0)
+        out, shared_reports = [], []
+        for row, plan, draft, (committed, accepted, path), (caught, t_catch), n in zip(
+                ready, plans, drafts, results, catch_ups, fed):
+            self.target.rollback(row.slot, len(row.seq) - 1)  # the cache keeps the committed tokens it has seen
+            if self.drafter is not None and plan.draft is None and plan.k > 0:
+                self.drafter.observe(row.slot, row.seq, draft.tokens.numel(), accepted)  # it rolls back its cache
+            report = RoundReport(
+                k=plan.k, source=draft.source if draft.tokens.numel() else "", drafted=draft.tokens.numel(),
+                accepted=accepted, fed=n, first=not row.prefilled, own_draft=plan.draft is not None,
+                draft_steps=draft.steps, draft_seconds=clock.seconds(t1, t2), verify_seconds=clock.seconds(t2, t3),
+                catchup_seconds=t_catch(), catchup_tokens=caught, seconds=time.perf_counter() - start,
+                tree=draft.tree, path=tuple(path))
+            if shared and row.policy is self.k_policy:
+                shared_reports.append(report)
+            else:
+                row.policy.observe(report)
+            self._prefill_done(row)
+            settled = settle(row.seq, committed, report, row.request, row.result, row.stop, row.logprobs, row.started)
+            if settled.cut:  # what follows the stop leaves the cache too
+                self.target.rollback(row.slot, min(self.target.lengths[row.slot], len(row.seq) - 1))
+            row.done = settled.done
+            if settled.chunk:
+                out.append((row, settled.chunk))
+        if shared:
+            prefill = bool(parts) or any(r.first for r in shared_reports)
+            self.k_policy.observe_shared(shared_reports, sum(fed) + sum(parts.values()), prefill)
+        for row in ready:
+            if row.done:
+                self._leave(row)
+        return out
+
+    def _plan(self, rows: list[Row], parts: dict[Row, int]) -> tuple[list[Plan], bool]:
+        """Each verifying row's plan from its k policy, and whether the round is shared: several rows share its pass
+        and the rows with k = 'auto' are planned together (by a SharedKPolicy, for the pass's width)."""
+        views = [self._view(row) for row in rows]
+        shared = len(self.active) > 1 and isinstance(self.k_policy, SharedKPolicy)
+        plans = [None if shared and row.policy is self.k_policy else row.policy.choose(view)
+                 for row, view in zip(rows, views)]
+        if shared:
+            auto = [i for i, plan in enumerate(plans) if plan is None]
+            width = (sum(len(row.seq) - self.target.lengths[row.slot] for row in rows) + sum(parts.values())
+                     + sum(plan.k for plan in plans if plan is not None))
+            for i, plan in zip(auto, self.k_policy.choose_shared([views[i] for i in auto], width, len(rows))):
+                plans[i] = plan
+        return plans, shared
+
+    def _view(self, row: Row) -> RoundView:
+        """What the k policy sees before a row's round."""
+        limit = row.request.max_new_tokens - len(row.seq.generated) - 1
+        if self.drafter is None:
+            return RoundView(row.seq, limit, Source.NONE, 0, lambda: None)
+        slot, seq = row.slot, row.seq
+        return RoundView(seq, limit, self.drafter.source(slot, seq), self.drafter.pending(slot, seq),
+                         lambda: self._time_draft_step(row))
+
+    def _time_draft_step(self, row: Row) -> float | None:
+        """Seconds of one draft step, fed on the first token the draft must catch up on anyway (None: none
+        pending). Booked as prefill; a one-off measurement, so it waits for the device."""
+        t0 = time.perf_counter()
+        fed = self.drafter.catch_up(row.slot, row.seq, 1)
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        row.result.stats.prefill_seconds += seconds
+        return seconds if fed else None
+
+    def _catch_up(self, row: Row, plan: Plan):
+        """Feed the draft the committed tokens it has not seen, when it is about to draft: (how many, a function
+        giving the seconds it took once the round has synced)."""
+        if self.drafter is None or plan.draft is not None or plan.k == 0 or not self.drafter.pending(row.slot, row.seq):
+            return 0, lambda: 0.0
+        a = self._clock.mark()
+        caught = self.drafter.catch_up(row.slot, row.seq)
+        b = self._clock.mark()
+        return caught, lambda: self._clock.seconds(a, b)
+
+    def _drafts(self, rows: list[Row], plans: list[Plan]) -> list[Draft]:
+        """Each row's draft: the policy's own, the drafter's (every drafting row in one call), or none."""
+        drafts = [plan.draft or no_draft(row.seq) for row, plan in zip(rows, plans)]
+        asks = [i for i, plan in enumerate(plans) if plan.draft is None and plan.k > 0]
+        if asks:
+            proposed = self.drafter.propose([(rows[i].slot, rows[i].seq, plans[i].k, plans[i].depth) for i in asks])
+            for i, draft in zip(asks, proposed):
+                drafts[i] = draft
+        return drafts
+
+    def _prefill_plan(self) -> tuple[list[Row], dict[Row, int]]:
+        """Which rows verify this round and which only feed part of their prompt (how many tokens): a row whose
+        unseen prompt fits in what is left of `prefill_chunk` (the oldest requests first) verifies along with its
+        prefill; the first that does not fit feeds what is left, and the rest wait."""
+        budget, parts, waiting = self.prefill_chunk, {}, set()
+        for row in sorted(self.active, key=lambda r: r.started):
+            unseen = len(row.seq) - self.target.lengths[row.slot]
+            if unseen <= 1:  # decoding: only its last committed token is new
+                continue
+            if unseen > budget:
+                if budget:
+                    parts[row] = budget
+                else:
+                    waiting.add(row)
+            budget -= min(budget, unseen)
+        return [row for row in self.active if row not in parts and row not in waiting], parts
+
+    def _score(self, rows: list[Row], drafts: list[Draft], parts: dict[Row, int]) -> list[torch.Tensor]:
+        """Every verifying row's target logits [k_b + 1, V] from ONE pass over each row's unseen committed tokens
+        (its last one, or its prompt) and drafts; the same pass feeds the other rows' prompt parts."""
+        fed = []  # (slot, feed, logits kept, index among the verifying rows or None)
+        for i, (row, draft) in enumerate(zip(rows, drafts)):
+            unseen = row.seq.device_ids[self.target.lengths[row.slot] :]
+            fed.append((row.slot, torch.cat([unseen, draft.tokens]), draft.tokens.numel() + 1, i))
+        for row, n in parts.items():
+            at = self.target.lengths[row.slot]
+            fed.append((row.slot, row.seq.device_ids[at : at + n], 0, None))
+        if not fed:
+            return []
+        fed.sort(key=lambda f: f[0])  # slot order: the active slots are one range, read as one view
+        out = self.target.forward_rows([f[0] for f in fed], [f[1] for f in fed], keep=[f[2] for f in fed])
+        logits: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
+        for (_, _, _, i), row_logits in zip(fed, out):
+            if i is not None:
+                logits[i] = row_logits
+        return logits
+
+    def _commit(self, rows: list[Row], drafts: list[Draft], logits: list[torch.Tensor],
+                verified: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list[int], int, list[int]]]:
+        """Every row's outcome to the host in one transfer (the round's one sync), then each row's commit:
+        (committed ids, accepted count, no tree path) per row."""
+        if not rows:
+            return []
+        host = torch.cat([outcome(n, nxt, draft) for (n, nxt), draft in zip(verified, drafts)]).tolist()
+        results, at = [], 0
+        for row, draft, row_logits, (_, nxt) in zip(rows, drafts, logits, verified):
+            size = 2 + draft.tokens.numel()
+            committed, accepted = commit(row.seq, draft, host[at : at + size], nxt, row_logits, row.request.params,
+                                         row.logprobs, row.request.top_logprobs or 0)
+            results.append((committed, accepted, []))
+            at += size
+        return results
+
+    def _verify_tree(self, row: Row, tree: TokenTree) -> tuple[list[int], int, list[int]]:
+        """Score, verify and commit a row's token tree (verispec.core.tree) in one tree-masked pass over its root
+        (the last committed token) and nodes; the slot keeps the root and the accepted path. A prompt not yet in
+        the cache is fed first, in a pass of its own. Returns (committed ids, accepted count, accepted nodes)."""
+        seq, slot, params, target = row.seq, row.slot, row.request.params, self.target
+        if not isinstance(target, TreeModel):
+            raise ValueError("token trees need a target that verifies trees (the lean path)")
+        device, length = seq.device_ids.device, len(seq)
+        if target.lengths[slot] < length - 1:
+            target.forward_rows([slot], [seq.device_ids[target.lengths[slot] : length - 1]], keep=[0])
+        base = length - 1
+        positions = device_tensor([base, *(base + d for d in tree.depths)], device)
+        visible = torch.cat([torch.ones(len(tree) + 1, 1, dtype=torch.bool, device=device), tree.paths()], dim=1)
+        logits = target.forward_tree(slot, torch.cat([seq.device_ids[-1:], tree.tokens]), positions, base, visible,
+                                     base + tree.depth)
+        path, token = verify_tree(tree_rows(logits, tree, params, seq), tree, params.greedy, row.generator)
+        rows = [0] + [node + 1 for node in path]  # of logits: the rows that chose each committed token
+        tokens = tree.tokens.tolist()
+        committed = [tokens[node] for node in path] + [token]
+        if row.logprobs is not None:
+            logp = tree_rows(logits, tree, params, seq, log=True)[rows]
+            row.logprobs.extend(token_logprobs(logp, committed, row.request.top_logprobs or 0))
+        target.keep(slot, base, rows)
+        seq.extend(committed, device_tensor(committed, device))
+        return committed, len(path), path
+
+    def _book_parts(self, parts: dict[Row, int], seconds: float) -> None:
+        """A part of each of these rows' prompts went into the round's pass."""
+        for row in parts:
+            row.result.stats.target_forwards += 1
+            row.result.stats.target_seconds += seconds
+
+    def _prefill_done(self, row: Row) -> None:
+        """The row's prompt is all in: its prefill time is the wait for that, from `add` on."""
+        if not row.prefilled:
+            row.prefilled = True
+            row.result.stats.prefill_seconds += time.perf_counter() - row.started
+
+    # -- one request at a time -------------------------------------------------------------------------
+
+    def stream(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
+               stop: StopFn | None = None, **fields) -> Generation:
+        """Generate one request round by round, alone in the engine: a Request, or prompt ids with params and
+        Request's other fields as keywords (checked now: ValueError). `stop`: the test for the request's text
+        stops, on token ids."""
+        resolved = self.resolve(as_request(request, params, **fields))
+        result = resolved.new_result()
+        return Generation(self._lone(resolved, stop, result), result)
+
+    def _lone(self, resolved: Resolved, stop: StopFn | None, result: GenerationResult) -> Iterator[Committed]:
+        if self.active:
+            raise RuntimeError("the engine is decoding other requests: one stream at a time")
+        row = self._admit(resolved, stop, result)
+        try:
+            while not row.done:
+                for _, chunk in self.step():
+                    yield chunk
+        except GeneratorExit:  # closed between rounds: the caches are consistent
+            self.cancel(row)
+            raise
+        except BaseException:  # a round that raised (e.g. KeyboardInterrupt mid-pass) may leave a cache half updated
+            self.abort()
+            raise
 
     def generate(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
                  stop: StopFn | None = None, **fields) -> GenerationResult:
@@ -276,4 +440,3 @@ class SpeculativeGenerator:
         for _ in generation:
             pass
         return generation.result
-

@@ -1,6 +1,6 @@
-"""What follows a round's commit, alone or in a batch: `settle` books it, applies the stops and says what to hand
-out and whether the generation ended. The round itself (draft, one target pass, verify, commit) stays with its
-loop, which owns the caches: on a stop the loop rolls its target's cache back to the kept tokens."""
+"""What follows a row's commit in a round: `settle` books it, applies the stops and says what to hand out and whether
+the generation ended. The round itself (draft, one target pass, verify, commit) stays with the engine
+(verispec.decoding.engine), which owns the caches: on a stop it rolls the row's slot back to the kept tokens."""
 
 from __future__ import annotations
 

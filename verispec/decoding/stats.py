@@ -44,7 +44,7 @@ class SpecStats:
         self.prefill_seconds += report.catchup_seconds  # a draft's catch-up is prefill work
         self.target_seconds += report.verify_seconds
         self.draft_forwards += report.draft_steps
-        self.target_forwards += 2 if report.first and report.drafted else 1  # the prefill's pass gave a row
+        self.target_forwards += 1  # one pass a round (the first one prefills the prompt too)
         if report.drafted:
             self.observe(report.drafted, report.accepted, None if report.tree is None else report.tree.depth)
 

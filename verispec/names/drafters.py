@@ -24,7 +24,6 @@ class Source(StrEnum):
 
 DRAFTER_NAMES = ("model", "ngram", "suffix", "hybrid", "hybrid-suffix", "tree")  # assembly's registry has these
 FREE_DRAFTERS = ("ngram", "suffix")  # the drafters that take no draft model
-BATCH_DRAFTERS = ("model", "ngram", "suffix")  # the drafters a batch runs (verispec.decoding.batch)
 
 BACKEND_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp"}  # backend -> its name in messages
 DEVICES = ("auto", "cpu", "cuda")

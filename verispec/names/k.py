@@ -12,7 +12,6 @@ from verispec.names.drafters import FREE_DRAFTERS
 
 DEFAULT_K = 4  # a fixed k where none is asked for (transformers)
 K_MAX = 8  # the largest k the cost-aware policy drafts
-BATCH_AUTO_K = DEFAULT_K  # k = 'auto' in a batch: the cost-aware policy prices a lone sequence's pass, not a batch's
 
 
 def check_k(k: int | str) -> int | str:

@@ -15,13 +15,12 @@ import torch
 
 from verispec.backends.base import Model
 from verispec.core.sampling import SamplingParams
-from verispec.decoding.batch import BatchGenerator
 from verispec.decoding.engine import Generation, SpeculativeGenerator
 from verispec.decoding.request import Committed, Request
 from verispec.names.errors import SpecError
 from verispec.pipeline.completion import Completion
 from verispec.pipeline.provenance import Piece, ProvenanceText
-from verispec.pipeline.slots import BatchSlots, LoneSlots, Slots, drain
+from verispec.pipeline.slots import Slots, drain
 from verispec.pipeline.text import encode_messages
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -177,7 +176,7 @@ class Pipeline:
     reason: str = ""
     kernels: str | None = None
     batch_reason: str | None = "batched decoding needs a pipeline made by verispec.assembly.build"
-    make_batch: Callable[[int], BatchGenerator] | None = None
+    make_batch: Callable[[int], SpeculativeGenerator] | None = None
 
     # -- what was built ---------------------------------------------------------------------------
 
@@ -310,9 +309,9 @@ class Pipeline:
         """Why this pipeline cannot decode a batch, or None when it can."""
         return self.batch_reason
 
-    def batch(self, max_batch: int) -> BatchGenerator:
-        """A verispec.decoding.batch.BatchGenerator of `max_batch` slots over this pipeline's models (the same
-        weights, caches of its own); SpecError (runtime) when the pipeline cannot batch."""
+    def batch(self, max_batch: int) -> SpeculativeGenerator:
+        """An engine of `max_batch` slots over this pipeline's models (the same weights, caches of its own, the same
+        k policy); SpecError (runtime) when the pipeline cannot batch."""
         _check_max_batch(max_batch)
         if self.make_batch is None:
             raise SpecError(self.batch_reason or "this pipeline cannot batch", "max_batch", runtime=True)
@@ -320,11 +319,12 @@ class Pipeline:
 
     def slots(self, max_batch: int = 1) -> Slots:
         """Slots for a serving loop (verispec.pipeline.slots): `max_batch` requests decoding together where the
-        pipeline can batch and more than one is asked for, else one at a time (`size` says which)."""
+        pipeline can batch and more than one is asked for, else one at a time on the pipeline's own engine (`size`
+        says which)."""
         _check_max_batch(max_batch)
         if max_batch > 1 and self.can_batch() is None:
-            return BatchSlots(self.batch(max_batch), self.tokenizer)
-        return LoneSlots(self.generator, self.tokenizer)
+            return Slots(self.batch(max_batch), self.tokenizer)
+        return Slots(self.generator, self.tokenizer)
 
     def generate_batch(self, prompts: Sequence[Prompt], *, max_batch: int = 8, stop: Sequence[str] | str = (),
                        k: int | str | None = None, generation_config=None, **settings: Any) -> list[Completion]:

@@ -1,8 +1,10 @@
 from verispec.core.draft import Draft
-from verispec.proposers.base import Proposer
-from verispec.proposers.draft_model import DraftModelProposer
-from verispec.proposers.hybrid import HybridProposer
+from verispec.proposers.base import Drafter, Lookup
+from verispec.proposers.draft_model import DraftModel
+from verispec.proposers.hybrid import HybridDrafter
+from verispec.proposers.lookup import LookupDrafter
 from verispec.proposers.ngram import NgramProposer
-from verispec.proposers.suffix import SuffixProposer
+from verispec.proposers.suffix import SuffixHistory, SuffixProposer
 
-__all__ = ["Draft", "Proposer", "DraftModelProposer", "HybridProposer", "NgramProposer", "SuffixProposer"]
+__all__ = ["Draft", "Drafter", "DraftModel", "HybridDrafter", "Lookup", "LookupDrafter", "NgramProposer",
+           "SuffixHistory", "SuffixProposer"]

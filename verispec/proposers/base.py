@@ -1,10 +1,14 @@
-"""The proposer protocol: what the engine asks of a drafter, every member declared.
+"""The drafter protocol: what a round asks of a drafter, every member declared.
 
-A round asks the proposer where its next draft would come from (`source`, so that a k policy can learn
-each source apart), how many committed tokens it must first catch up on (`pending`), feeds them in a
-call the engine times (`catch_up`), then takes the draft (`propose`) and reports what was accepted
-(`observe`). Free drafters (n-gram, suffix lookup) have nothing to catch up on: `pending` is 0 and
-`catch_up` feeds nothing. A Draft (verispec.core.draft) is what verification takes.
+A drafter drafts for the slots of a decoding round (verispec.decoding.engine): a lone sequence is slot 0 of a
+round of one. Before a round the engine asks where a slot's next draft would come from (`source`, so that a k
+policy can learn each source apart) and how many committed tokens it must first catch up on (`pending`), feeds
+them in a call it times (`catch_up`), then takes every drafting slot's draft at once (`propose`: a draft model
+runs each step for all of them in one forward) and reports what each slot accepted (`observe`). A Draft
+(verispec.core.draft) is what verification takes.
+
+Free lookups (n-gram, suffix) draft one sequence at a time and cost no forward: they follow the smaller `Lookup`
+protocol, and verispec.proposers.lookup gives each slot its own.
 """
 
 from __future__ import annotations
@@ -17,28 +21,58 @@ from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 
+# a round's request of one slot: (slot, its committed sequence, k, depth); a tree drafter reads k as its node budget
+# and depth as the most draft forwards it may spend (None: its own maximum); a chain's depth is its k
+DraftRow = tuple[int, TokenSequence, int, "int | None"]
 
-class Proposer(Protocol):
+
+class Drafter(Protocol):
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+        """Slot `slot` starts drafting for a new sequence (a cache may keep what it shares with the slot's last)."""
+
+    def source(self, slot: int, seq: TokenSequence) -> str:
+        """The source the slot's next draft would come from ('none': no draft would be offered)."""
+
+    def pending(self, slot: int, seq: TokenSequence) -> int:
+        """Committed tokens the slot's next draft must first feed in a separate catch-up pass (0: none)."""
+
+    def catch_up(self, slot: int, seq: TokenSequence, limit: int | None = None) -> int:
+        """Feed up to `limit` (None: all) of the committed tokens the slot's next draft would otherwise feed in its
+        catch-up pass; returns how many were fed. The engine times this call."""
+
+    def propose(self, rows: list[DraftRow]) -> list[Draft]:
+        """Each row's draft of at most k tokens (fewer, or none, when its source has no more), in row order."""
+
+    def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
+        """After verification: `accepted` of the slot's `drafted` tokens were committed to `seq`."""
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's state now belongs to slot dst; src is empty afterwards."""
+
+    def release(self, slot: int) -> None:
+        """The slot's sequence is done (its final tokens are in its seq)."""
+
+    def reset(self) -> None:
+        """Forget every slot (caches)."""
+
+
+class Lookup(Protocol):
+    """A free drafter of one sequence at a time: it looks its drafts up (no forward, nothing to catch up on)."""
+
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        """A new generation begins on `seq` (may reuse state from a previous one with a common prefix)."""
+        """A new generation begins on `seq`."""
 
     def source(self, seq: TokenSequence) -> str:
-        """The source the next draft for `seq` would come from ('none': no draft would be offered)."""
+        """The source the next draft would come from ('none': no draft would be offered)."""
 
-    def pending(self, seq: TokenSequence) -> int:
-        """Committed tokens the next draft must first feed in a separate catch-up pass (0: none)."""
-
-    def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
-        """Feed up to `limit` (None: all) of the committed tokens the next draft would otherwise feed in
-        its catch-up pass; returns how many were fed. The engine times this call."""
-
-    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
-        """At most k draft tokens continuing `seq` (fewer, or none, when the source has no more). A tree
-        drafter reads k as its node budget and `depth` as the most draft forwards it may spend (None: its
-        own maximum); a chain drafter's depth is its k, and it ignores `depth`."""
+    def propose(self, seq: TokenSequence, k: int) -> Draft:
+        """At most k draft tokens continuing `seq`."""
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of `drafted` tokens were committed to `seq`."""
 
+    def end(self) -> None:
+        """The generation is done (its final tokens are in its seq)."""
+
     def reset(self) -> None:
-        """Forget all state (caches)."""
+        """Forget this generation."""

@@ -1,4 +1,7 @@
-"""A smaller causal LM drafts k tokens autoregressively from its own processed distribution q."""
+"""A smaller causal LM drafts k tokens autoregressively from its own processed distribution q, for every drafting slot
+of a round at once: each draft step feeds all the rows still drafting in ONE forward (a row feeds the one or two
+committed tokens its cache has not seen, then its own last draft) and samples each row's token under that row's
+own settings and generator."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import math
 import torch
 
 from verispec.backends.base import Model, common_prefix_length
+from verispec.backends.quant import PACKED_MAX_ROWS
 from verispec.core.draft import Draft
 from verispec.core.sampling import (
     SamplingParams,
@@ -20,6 +24,8 @@ from verispec.core.sampling import (
 )
 from verispec.core.sequence import TokenSequence
 from verispec.names.drafters import Source
+from verispec.proposers.base import DraftRow
+from verispec.proposers.lookup import no_draft
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -56,82 +62,122 @@ def after_token(
     return presence, counts
 
 
-class DraftModelProposer:
-    """Drafts with `model`. Its cache holds a prefix of the committed sequence (plus, mid-round, its
-    own drafts); after verification it is cropped to what was committed, and the next round first
-    feeds the committed tokens it has not seen (one, or two when all drafts were accepted: it never
-    processed its own last draft)."""
+class DraftModel:
+    """Drafts with `model` (a Model of as many slots as the round's target). Per slot, the cache holds a prefix of
+    the committed sequence (plus, mid-round, its own drafts); after verification it is rolled back to what was
+    committed, and the next draft first feeds the committed tokens it has not seen (one, or two when all drafts
+    were accepted: it never processed its own last draft). A slot that is further behind (a new prompt, or rounds
+    decoded without drafting) catches up in a pass of its own, alone and whole: a quantised draft's kernels compute
+    a part of a few rows differently from a whole prompt, so parts sized by the batch mates would make a seeded
+    row's draws depend on them. A new sequence keeps the prefix it shares with the slot's last one."""
 
     def __init__(self, model: Model, vocab_size: int) -> None:
         self.model = model
         self.vocab_size = vocab_size  # the target's
-        # the committed tokens in the draft's cache: seq.ids[:_held_len] of the last sequence it drafted for
-        self._held_seq: TokenSequence | None = None
-        self._held_len = 0
-        self.params = SamplingParams()
-        self.generator: torch.Generator | None = None
-        self._base = 0  # len(seq) when the last draft started
+        slots = model.slots
+        self._held: list[tuple[TokenSequence | None, int]] = [(None, 0)] * slots  # (seq, its tokens in the cache)
+        self._settings: list[tuple[SamplingParams, torch.Generator | None]] = [(SamplingParams(), None)] * slots
+        self._base = [0] * slots  # len(seq) when the slot's last draft started
 
-    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        """Keep the cached prefix this sequence shares; the rest is fed lazily (catch_up or the first draft),
-        so a generation that never drafts (a k policy found it does not pay) never prefills the draft."""
-        self.params, self.generator = params, generator
-        held = self._held_seq.ids[: self._held_len] if self._held_seq is not None else []
-        keep = min(common_prefix_length(held, seq.ids), len(seq) - 1, self.model.length)
-        self.model.rollback(keep)
-        self._held_seq, self._held_len = seq, keep
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+        """Keep the cached prefix this sequence shares with the slot's last; the rest is fed lazily (catch_up or
+        the first draft), so a generation that never drafts (a k policy found it does not pay) never prefills the
+        draft."""
+        self._settings[slot] = (params, generator)
+        held, n = self._held[slot]
+        cached = held.ids[:n] if held is not None else []
+        keep = min(common_prefix_length(cached, seq.ids), len(seq) - 1, self.model.lengths[slot])
+        self.model.rollback(slot, keep)
+        self._held[slot] = (seq, keep)
 
-    def source(self, seq: TokenSequence) -> str:
+    def source(self, slot: int, seq: TokenSequence) -> str:
         return Source.MODEL
 
-    def pending(self, seq: TokenSequence) -> int:
-        """Tokens the next propose would feed in a separate catch-up pass (0 when it just feeds the last one
-        or two committed tokens with its first draft step)."""
-        behind = len(seq) - self.model.length
+    def pending(self, slot: int, seq: TokenSequence) -> int:
+        """Tokens the next propose would feed in a separate catch-up pass (0 when it just feeds the last one or two
+        committed tokens with its first draft step)."""
+        behind = len(seq) - self.model.lengths[slot]
         return behind - 1 if behind > 2 else 0
 
-    def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
-        """Feed up to `limit` committed tokens the cache has not seen, in one pass, always leaving the last
-        one for the first draft step. A one-token call (limit 1) is how a draft step's cost is measured: the
-        token is one the draft must see anyway."""
-        at = self.model.length
+    def catch_up(self, slot: int, seq: TokenSequence, limit: int | None = None) -> int:
+        """Feed up to `limit` committed tokens the cache has not seen, in one pass of this slot alone, always leaving
+        the last one for the first draft step. A one-token call (limit 1) is how a draft step's cost is measured:
+        the token is one the draft must see anyway."""
+        at = self.model.lengths[slot]
         n = len(seq) - 1 - at
         if limit is not None:
             n = min(n, limit)
         if n <= 0:
             return 0
-        self.model.forward(seq.device_ids[at : at + n], last_only=True)
-        self._held_seq, self._held_len = seq, self.model.length
+        self.model.forward_rows([slot], [seq.device_ids[at : at + n]], keep=[0])
+        self._held[slot] = (seq, self.model.lengths[slot])
         return n
 
-    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
-        params = self.params
-        if self.pending(seq):  # a prompt, or rounds decoded without this draft: one batched catch-up pass
-            self.catch_up(seq)
-        feed = seq.device_ids[self.model.length :]  # [1 or 2] committed tokens not yet seen
-        self._base = len(seq)
-        presence = seq.presence(self.vocab_size) if params.penalised else None
-        counts = token_counts(seq.device_ids[seq.prompt_length :], self.vocab_size) if params.counted else None
-        tokens, probs = [], []
-        for step in range(k):
-            logits = align_vocab(self.model.forward(feed, last_only=True)[-1:], self.vocab_size)  # [1, V]
-            position = len(seq.generated) + step  # the target's row for this draft sees the same
-            token, q = draft_token(logits, params, presence, counts, position, self.generator)
-            presence, counts = after_token(presence, counts, token)
-            tokens.append(token)
-            if q is not None:
-                probs.append(q)
-            feed = token
-        draft_tokens = torch.cat(tokens) if tokens else seq.device_ids.new_empty(0)
-        draft_probs = torch.cat(probs) if probs else None
-        return Draft(draft_tokens, draft_probs, Source.MODEL, len(tokens))
+    def propose(self, rows: list[DraftRow]) -> list[Draft]:
+        drafts = [no_draft(seq) for _, seq, _, _ in rows]
+        live = [i for i, (_, _, k, _) in enumerate(rows) if k > 0]
+        if not live:
+            return drafts
+        feeds, state = {}, {}
+        for i in live:
+            slot, seq, _, _ = rows[i]
+            if self.pending(slot, seq):  # a prompt, or rounds decoded without this draft
+                self.catch_up(slot, seq)
+            feeds[i] = seq.device_ids[self.model.lengths[slot] :]  # [1 or 2] committed tokens not yet seen
+            self._base[slot] = len(seq)
+            params = self._settings[slot][0]
+            presence = seq.presence(self.vocab_size) if params.penalised else None
+            counts = token_counts(seq.device_ids[seq.prompt_length :], self.vocab_size) if params.counted else None
+            state[i] = (presence, counts, [], [])
+        step = 0
+        while live:
+            logits = self._step([rows[i][0] for i in live], [feeds[i] for i in live])
+            for i, row_logits in zip(live, logits):
+                slot, seq, _, _ = rows[i]
+                params, generator = self._settings[slot]
+                presence, counts, tokens, probs = state[i]
+                position = len(seq.generated) + step  # the target's row for this draft sees the same
+                token, q = draft_token(align_vocab(row_logits, self.vocab_size), params, presence, counts, position,
+                                       generator)
+                presence, counts = after_token(presence, counts, token)
+                tokens.append(token)
+                if q is not None:
+                    probs.append(q)
+                state[i] = (presence, counts, tokens, probs)
+                feeds[i] = token
+            step += 1
+            live = [i for i in live if rows[i][2] > step]
+        for i, (_, _, tokens, probs) in state.items():
+            drafts[i] = Draft(torch.cat(tokens), torch.cat(probs) if probs else None, Source.MODEL, len(tokens))
+        return drafts
+
+    def _step(self, slots: list[int], feeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One draft step over the rows, in forwards of at most PACKED_MAX_ROWS token rows: a quantised draft's
+        packed kernels then compute every row as they would alone (see verispec.backends.quant), so a row's q never
+        depends on how many rows share the step."""
+        per_forward = max(1, PACKED_MAX_ROWS // max(f.numel() for f in feeds))
+        logits = []
+        for at in range(0, len(slots), per_forward):
+            logits += self.model.forward_rows(slots[at : at + per_forward], feeds[at : at + per_forward],
+                                              last_only=True)
+        return logits
+
+    def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
+        # the cache holds seq[:base] + drafts[:drafted - 1]; the first `accepted` drafts were committed
+        if drafted:
+            keep = min(self.model.lengths[slot], self._base[slot] + accepted)
+            self.model.rollback(slot, keep)
+            self._held[slot] = (seq, keep)
+
+    def move(self, src: int, dst: int) -> None:
+        self.model.move(src, dst)
+        self.model.reset(src)
+        self._held[dst], self._settings[dst], self._base[dst] = self._held[src], self._settings[src], self._base[src]
+        self._held[src] = (None, 0)
+
+    def release(self, slot: int) -> None:
+        pass  # the cache stays: the slot's next sequence keeps what it shares with this one
 
     def reset(self) -> None:
         self.model.reset()
-        self._held_seq, self._held_len = None, 0
-
-    def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
-        # The cache holds seq[:_base] + drafts[:drafted - 1]; the first `accepted` drafts were committed.
-        keep = min(self.model.length, self._base + accepted)
-        self.model.rollback(keep)
-        self._held_seq, self._held_len = seq, keep
+        self._held = [(None, 0)] * self.model.slots

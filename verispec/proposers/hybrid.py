@@ -1,4 +1,4 @@
-"""Hybrid drafting: a free lookup drafter (n-gram or suffix) when it has a confident match, the draft model
+"""Hybrid drafting: a free lookup drafter (n-gram or suffix) where it has a confident match, the draft model
 otherwise."""
 
 from __future__ import annotations
@@ -9,51 +9,66 @@ from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 from verispec.names.drafters import Source
-from verispec.proposers.draft_model import DraftModelProposer
-from verispec.proposers.ngram import NgramProposer
-from verispec.proposers.suffix import SuffixProposer
+from verispec.proposers.base import DraftRow
+from verispec.proposers.draft_model import DraftModel
+from verispec.proposers.lookup import LookupDrafter
 
-Lookup = NgramProposer | SuffixProposer
 CONFIDENT = frozenset({Source.NGRAM, Source.SUFFIX})  # the lookup drafters' sources for a long (confident) match
 
 
-class HybridProposer:
-    """The lookup drafter when it has a confident match (its long kind: a suffix of at least its
-    `min_confident` tokens), the draft model otherwise. Sources: the lookup's ('ngram' or 'suffix') and
-    'model', so that a k policy can switch the draft model off while free lookup drafts keep going. The draft
-    model catches up on the tokens it skipped the next time it drafts."""
+class HybridDrafter:
+    """Per slot, the lookup drafter when it has a confident match (its long kind: a suffix of at least its
+    `min_confident` tokens), the draft model otherwise; a round's model rows draft together. Sources: the lookup's
+    ('ngram' or 'suffix') and 'model', so that a k policy can switch the draft model off while free lookup drafts
+    keep going. The draft model catches up on the tokens it skipped the next time it drafts."""
 
-    def __init__(self, lookup: Lookup, model: DraftModelProposer) -> None:
+    def __init__(self, lookup: LookupDrafter, model: DraftModel) -> None:
         self.lookup, self.model = lookup, model
-        self._last: Lookup | DraftModelProposer | None = None
+        self._last: list[LookupDrafter | DraftModel | None] = [None] * model.model.slots  # who drafted per slot
 
-    def source(self, seq: TokenSequence) -> str:
-        source = self.lookup.source(seq)
+    def source(self, slot: int, seq: TokenSequence) -> str:
+        source = self.lookup.source(slot, seq)
         return source if source in CONFIDENT else Source.MODEL
 
-    def pending(self, seq: TokenSequence) -> int:
-        return self.model.pending(seq) if self.source(seq) == Source.MODEL else 0
+    def pending(self, slot: int, seq: TokenSequence) -> int:
+        return self.model.pending(slot, seq) if self.source(slot, seq) == Source.MODEL else 0
 
-    def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
-        return self.model.catch_up(seq, limit) if self.source(seq) == Source.MODEL else 0
+    def catch_up(self, slot: int, seq: TokenSequence, limit: int | None = None) -> int:
+        return self.model.catch_up(slot, seq, limit) if self.source(slot, seq) == Source.MODEL else 0
 
-    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        self.lookup.start(seq, params, generator)
-        self.model.start(seq, params, generator)
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+        self.lookup.start(slot, seq, params, generator)
+        self.model.start(slot, seq, params, generator)
+        self._last[slot] = None
 
-    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
-        if self.source(seq) != Source.MODEL:
-            draft = self.lookup.propose(seq, k)
-            if draft.tokens.numel() > 0:
-                self._last = self.lookup
-                return draft
-        self._last = self.model
-        return self.model.propose(seq, k)
+    def propose(self, rows: list[DraftRow]) -> list[Draft]:
+        drafts: list[Draft | None] = [None] * len(rows)
+        for i, row in enumerate(rows):
+            slot, seq, k, _ = row
+            if k > 0 and self.source(slot, seq) != Source.MODEL:
+                draft = self.lookup.propose([row])[0]
+                if draft.tokens.numel() > 0:
+                    drafts[i], self._last[slot] = draft, self.lookup
+        rest = [i for i, draft in enumerate(drafts) if draft is None]
+        for i, draft in zip(rest, self.model.propose([rows[i] for i in rest])):
+            drafts[i] = draft
+            self._last[rows[i][0]] = self.model
+        return drafts
 
-    def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
-        if self._last is not None:
-            self._last.observe(seq, drafted, accepted)
+    def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
+        if self._last[slot] is not None:
+            self._last[slot].observe(slot, seq, drafted, accepted)
+
+    def move(self, src: int, dst: int) -> None:
+        self.lookup.move(src, dst)
+        self.model.move(src, dst)
+        self._last[dst], self._last[src] = self._last[src], None
+
+    def release(self, slot: int) -> None:
+        self.lookup.release(slot)
+        self.model.release(slot)
 
     def reset(self) -> None:
         self.lookup.reset()
         self.model.reset()
+        self._last = [None] * len(self._last)

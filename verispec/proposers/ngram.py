@@ -13,6 +13,7 @@ import torch
 from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
+from verispec.core.timing import device_tensor
 from verispec.names.drafters import Source
 
 
@@ -70,21 +71,18 @@ class NgramProposer:
         n = self.match(seq)[1]
         return Source.NONE if not n else Source.NGRAM if n >= self.min_confident else Source.NGRAM_SHORT
 
-    def pending(self, seq: TokenSequence) -> int:
-        return 0  # free: nothing to catch up on
-
-    def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
-        return 0
-
-    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
+    def propose(self, seq: TokenSequence, k: int) -> Draft:
         source = self.source(seq)
         at, self.last_match = self.match(seq)
         tokens = seq.ids[at : at + k] if self.last_match else []
         device = seq.buffer.device
-        return Draft(torch.tensor(tokens, dtype=torch.long).to(device), None, source)
+        return Draft(device_tensor(tokens, device), None, source)
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         pass
+
+    def end(self) -> None:
+        self._match = None
 
     def reset(self) -> None:
         self.last_match = 0

@@ -34,6 +34,7 @@ import torch
 from verispec.core.draft import Draft
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
+from verispec.core.timing import device_tensor
 from verispec.names.drafters import Source
 
 
@@ -165,6 +166,56 @@ class SuffixTrie:
         return total
 
 
+MAX_DEPTH = 24  # the longest substring counted: a match and its draft together
+HISTORY_TOKENS = 65536  # the history's default token budget
+
+
+class SuffixHistory:
+    """Past outputs, counted in a trie and kept to a budget of `budget` tokens (the oldest evicted first, their
+    counts removed exactly). The suffix lookups of a process's slots share one, so that every slot drafts from what
+    any slot generated; `version` changes with every change, so that a lookup knows to find its cursors again.
+    `new_text` stamps texts (the history's and the lookups' own) in the order they were made: a tie between
+    continuations goes to the most recent."""
+
+    def __init__(self, max_depth: int = MAX_DEPTH, budget: int = HISTORY_TOKENS) -> None:
+        if budget < 0:
+            raise ValueError(f"history_tokens must be >= 0, got {budget}")
+        self.max_depth, self.budget = max_depth, budget
+        self._made = 0
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every past output."""
+        self.trie = SuffixTrie(self.max_depth)
+        self._texts: deque[_Text] = deque()
+        self.tokens = 0  # tokens held
+        self.version = getattr(self, "version", 0) + 1
+
+    def new_text(self, ids: list[int]) -> _Text:
+        self._made += 1
+        return _Text(ids, self._made << 40)
+
+    def add(self, ids: list[int]) -> None:
+        """Count a finished text, evicting the oldest texts past the budget (a text longer than the budget keeps
+        its last tokens)."""
+        ids = ids[max(0, len(ids) - self.budget) :] if self.budget else []
+        if not ids:
+            return
+        while self._texts and self.tokens + len(ids) > self.budget:
+            old = self._texts.popleft()
+            self.trie.remove(old)
+            self.tokens -= len(old.ids)
+        text = self.new_text(ids)
+        self.trie.add(text)
+        self._texts.append(text)
+        self.tokens += len(ids)
+        self.version += 1
+
+    def continuations(self, context: Iterable[int]) -> dict[int, int]:
+        """{token: count} of the tokens that followed `context` in the history."""
+        return self.trie.continuations(context)
+
+
 class SuffixProposer:
     """Suffix-tree drafting over this generation's sequence and a bounded history of past outputs.
 
@@ -175,13 +226,14 @@ class SuffixProposer:
     min_confident: matches of at least this many tokens are the source 'suffix', shorter ones
         'suffix-short' (a k policy learns them apart, as it does n-gram matches).
     history_tokens: the history's token budget (0: no history); the oldest outputs are evicted past it.
+    history: a SuffixHistory to share with other lookups (None: one of its own, of history_tokens tokens).
 
     `reset()` forgets this generation (its index, and its output, which is then not added to the history);
-    the history survives it, and `clear_history()` forgets that."""
+    the history survives it, and `history.clear()` forgets that."""
 
     def __init__(
-        self, max_depth: int = 24, spec_factor: float = 1.0, min_prob: float = 0.1, min_confident: int = 3,
-        history_tokens: int = 65536,
+        self, max_depth: int = MAX_DEPTH, spec_factor: float = 1.0, min_prob: float = 0.1, min_confident: int = 3,
+        history_tokens: int = HISTORY_TOKENS, history: SuffixHistory | None = None,
     ) -> None:
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2 (a match and one drafted token), got {max_depth}")
@@ -189,46 +241,20 @@ class SuffixProposer:
             raise ValueError(f"spec_factor must be > 0, got {spec_factor}")
         if not 0 <= min_prob <= 1:
             raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
-        if min_confident < 1 or history_tokens < 0:
-            raise ValueError(f"need min_confident >= 1 and history_tokens >= 0, got {min_confident}, {history_tokens}")
+        if min_confident < 1:
+            raise ValueError(f"min_confident must be >= 1, got {min_confident}")
+        if history is not None and history.max_depth != max_depth:
+            raise ValueError(f"a shared history counts substrings of {history.max_depth} tokens, not {max_depth}")
         self.max_depth, self.spec_factor, self.min_prob = max_depth, spec_factor, min_prob
-        self.min_confident, self.history_tokens = min_confident, history_tokens
+        self.min_confident = min_confident
+        self.history = history if history is not None else SuffixHistory(max_depth, history_tokens)
         self.last_match = 0  # length of the last draft's match (0: none)
-        self._texts_made = 0  # orders texts by age: each new one's stamps are above every older one's
         self._seq: TokenSequence | None = None
-        self.clear_history()
         self.reset()
 
-    # -- the history of past outputs ---------------------------------------------------------------
-
-    def clear_history(self) -> None:
-        """Forget every past output."""
-        self.history = SuffixTrie(self.max_depth)
-        self._history_texts: deque[_Text] = deque()
-        self.history_size = 0  # tokens in the history
-        if self._seq is not None:
-            self._find_history(self._seq)
-
     def add_history(self, ids: list[int]) -> None:
-        """Count a finished text in the history, evicting the oldest texts past the token budget (a text
-        longer than the budget keeps its last tokens)."""
-        ids = ids[max(0, len(ids) - self.history_tokens) :] if self.history_tokens else []
-        if not ids:
-            return
-        while self._history_texts and self.history_size + len(ids) > self.history_tokens:
-            old = self._history_texts.popleft()
-            self.history.remove(old)
-            self.history_size -= len(old.ids)
-        text = self._new_text(ids)
-        self.history.add(text)
-        self._history_texts.append(text)
-        self.history_size += len(ids)
-        if self._seq is not None:  # the history changed under this generation's cursors
-            self._find_history(self._seq)
-
-    def _new_text(self, ids: list[int]) -> _Text:
-        self._texts_made += 1
-        return _Text(ids, self._texts_made << 40)
+        """Count a finished text in the history."""
+        self.history.add(ids)
 
     def _record(self, seq: TokenSequence) -> None:
         """Add a finished generation's output to the history, with the prompt tokens just before it as its
@@ -242,8 +268,7 @@ class SuffixProposer:
         """Record the previous generation's output, then index `seq` (reusing the index when seq extends
         the sequence it was built on, as the next turn of a chat does: that output is then counted in both
         tries, which only weighs it more in the ranking of continuations)."""
-        if self._seq is not None:
-            self._record(self._seq)
+        self.end()
         text = self._text
         reuse = len(seq) >= len(text.ids) and seq.ids[: len(text.ids)] == text.ids
         self._index(seq, reuse)
@@ -251,7 +276,7 @@ class SuffixProposer:
     def _index(self, seq: TokenSequence, reuse: bool = False) -> None:
         """Point this generation's index at seq: extend the current one (reuse) or build a new one."""
         if not reuse:
-            self._trie, self._text = SuffixTrie(self.max_depth), self._new_text([])
+            self._trie, self._text = SuffixTrie(self.max_depth), self.history.new_text([])
             self._active = [self._trie.root]
         self._seq = seq
         self._find_history(seq)
@@ -259,13 +284,13 @@ class SuffixProposer:
 
     def _find_history(self, seq: TokenSequence) -> None:
         """The history's cursors for the suffixes of seq, by length (up to max_depth - 1)."""
-        self._history_at = [self.history.root]
+        self._history_at = [self.history.trie.root]
         for tok in seq.ids[-(self.max_depth - 1) :]:
             self._history_at = self._follow_history(tok)
-        self._history_len = len(seq)
+        self._history_len, self._history_version = len(seq), self.history.version
 
     def _follow_history(self, token: int) -> list[Cursor]:
-        out = [self.history.root]
+        out = [self.history.trie.root]
         for cursor in self._history_at[: self.max_depth - 1]:
             nxt = _follow(cursor, token)
             if nxt is None:
@@ -283,6 +308,9 @@ class SuffixProposer:
         for j in range(len(text.ids), len(ids)):
             text.ids.append(ids[j])
             self._active = self._trie.append(self._active, text, j)
+        if self._history_version != self.history.version:  # another lookup sharing the history changed it
+            self._find_history(seq)
+            return
         for tok in ids[self._history_len :]:
             self._history_at = self._follow_history(tok)
         self._history_len = len(ids)
@@ -328,13 +356,7 @@ class SuffixProposer:
             return Source.NONE
         return Source.SUFFIX if m >= self.min_confident else Source.SUFFIX_SHORT
 
-    def pending(self, seq: TokenSequence) -> int:
-        return 0  # free: nothing to catch up on
-
-    def catch_up(self, seq: TokenSequence, limit: int | None = None) -> int:
-        return 0
-
-    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
+    def propose(self, seq: TokenSequence, k: int) -> Draft:
         """The longest match that leaves room in max_depth for k tokens (any shorter suffix of a match is a
         match too), then the walk from it."""
         source = self.source(seq)
@@ -342,16 +364,22 @@ class SuffixProposer:
         self.last_match = m
         limit = min(k, max(1, int(self.spec_factor * m)), self.max_depth - m)
         tokens = self._walk(cursors, limit) if m else []
-        return Draft(torch.tensor(tokens, dtype=torch.long).to(seq.buffer.device), None, source)
+        return Draft(device_tensor(tokens, seq.buffer.device), None, source)
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         pass  # the committed tokens are counted when the next round asks
+
+    def end(self) -> None:
+        """Add the generation's output (as its sequence holds it now) to the history."""
+        if self._seq is not None:
+            self._record(self._seq)
+            self._seq = None
 
     def reset(self) -> None:
         self.last_match = 0
         self._seq = None
         self._trie = SuffixTrie(self.max_depth)
-        self._text = self._new_text([])
+        self._text = self.history.new_text([])
         self._active: list[_Node] = [self._trie.root]
-        self._history_at: list[Cursor] = [self.history.root]
-        self._history_len = 0
+        self._history_at: list[Cursor] = [self.history.trie.root]
+        self._history_len, self._history_version = 0, self.history.version

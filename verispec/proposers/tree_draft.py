@@ -23,17 +23,19 @@ from verispec.backends.base import TreeModel
 from verispec.core.draft import Draft
 from verispec.core.sampling import probs_from_logits
 from verispec.core.sequence import TokenSequence
+from verispec.core.timing import device_tensor
 from verispec.core.tree import ROOT, TokenTree
 from verispec.names.drafters import Source
-from verispec.proposers.draft_model import DraftModelProposer, align_vocab
+from verispec.proposers.base import DraftRow
+from verispec.proposers.draft_model import DraftModel, align_vocab
 
 TREE_WIDTH = 4  # frontier nodes per depth, and candidates per frontier node
 TREE_DEPTH = 6  # draft forwards per tree (its deepest node), unless the k policy says otherwise
 
 
-class TreeDraftModel(DraftModelProposer):
-    """Drafts token trees with `model` (a TreeModel, e.g. a LeanModel).
-    `k` (propose's budget) is the number of tree nodes; `depth` the most draft forwards (at most max_depth and k)."""
+class TreeDraftModel(DraftModel):
+    """Drafts token trees with `model` (a TreeModel: the lean path), one row at a time (trees do not batch).
+    A row's `k` is the number of tree nodes; its `depth` the most draft forwards (at most max_depth and k)."""
 
     def __init__(self, model: TreeModel, vocab_size: int, width: int = TREE_WIDTH,
                  max_depth: int = TREE_DEPTH) -> None:
@@ -43,31 +45,36 @@ class TreeDraftModel(DraftModelProposer):
         if width < 1 or max_depth < 1:
             raise ValueError(f"width and max_depth must be >= 1, got {width} and {max_depth}")
         self.width, self.max_depth = width, max_depth
-        self._tree: TokenTree | None = None
-        self._rows: dict[int, int] = {}  # tree node -> its row in the draft's cache after _base (nodes it fed)
+        self._trees: dict[int, tuple[TokenTree, dict[int, int]]] = {}  # slot -> its tree, and for each node it
+        # fed, the node's row in the draft's cache after _base
 
-    def source(self, seq: TokenSequence) -> str:
+    def source(self, slot: int, seq: TokenSequence) -> str:
         return Source.TREE
 
-    def _ranking(self, logits: torch.Tensor) -> torch.Tensor:
+    def _ranking(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
         """The draft's probabilities that rank candidates, [n, V]."""
-        params = replace(self.params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+        params = replace(self._settings[slot][0], repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                          min_tokens=0)
         if params.greedy:
             return logits.float().softmax(dim=-1)
         return probs_from_logits(logits, params)
 
-    def propose(self, seq: TokenSequence, k: int, depth: int | None = None) -> Draft:
-        self._tree, self._rows = None, {}
+    def propose(self, rows: list[DraftRow]) -> list[Draft]:
+        return [self._propose(slot, seq, k, depth) for slot, seq, k, depth in rows]
+
+    def _propose(self, slot: int, seq: TokenSequence, k: int, depth: int | None) -> Draft:
+        self._trees.pop(slot, None)
         empty = Draft(seq.device_ids.new_empty(0), None, Source.TREE)
         depth = min(self.max_depth, k, self.max_depth if depth is None else depth)
         if depth < 1:
             return empty
-        if self.pending(seq):
-            self.catch_up(seq)
-        feed = seq.device_ids[self.model.length :]  # [1 or 2] committed tokens not yet seen
-        self._base = base = len(seq)
-        q = self._ranking(align_vocab(self.model.forward(feed, last_only=True)[-1:], self.vocab_size))  # [1, V]
+        if self.pending(slot, seq):
+            self.catch_up(slot, seq)
+        feed = seq.device_ids[self.model.lengths[slot] :]  # [1 or 2] committed tokens not yet seen
+        self._base[slot] = base = len(seq)
+        fed: dict[int, int] = {}  # node -> its row in the draft's cache after base
+        last = self.model.forward_rows([slot], [feed], last_only=True)[0]
+        q = self._ranking(slot, align_vocab(last, self.vocab_size))  # [1, V]
         # the pool of candidates: token, parent (pool index or ROOT), score, depth
         tokens: list[int] = []
         parents: list[int] = []
@@ -92,45 +99,43 @@ class TreeDraftModel(DraftModelProposer):
             chosen = sorted(range(start, len(tokens)), key=lambda i: -scores[i])[: self.width]
             rows = []
             for node in chosen:
-                self._rows[node] = len(self._rows)
-                seen[node] = seen[parents[node]] + [self._rows[node]]
+                fed[node] = len(fed)
+                seen[node] = seen[parents[node]] + [fed[node]]
                 rows.append(seen[node])
-            visible = torch.zeros(len(chosen), len(self._rows), dtype=torch.bool)
+            visible = torch.zeros(len(chosen), len(fed), dtype=torch.bool)
             for r, cols in enumerate(rows):
                 visible[r, cols] = True
-            node_ids = torch.tensor([tokens[i] for i in chosen], device=seq.device_ids.device)
+            node_ids = device_tensor([tokens[i] for i in chosen], seq.device_ids.device)
             positions = torch.full((len(chosen),), base - 1 + d, dtype=torch.long, device=seq.device_ids.device)
-            logits = self.model.forward_tree(node_ids, positions, base, visible.to(seq.device_ids.device),
+            logits = self.model.forward_tree(slot, node_ids, positions, base, visible.to(seq.device_ids.device),
                                              last_position=base - 1 + d)
-            q = self._ranking(align_vocab(logits, self.vocab_size))
+            q = self._ranking(slot, align_vocab(logits, self.vocab_size))
             frontier, frontier_scores = chosen, [scores[i] for i in chosen]
             steps += 1
         keep = _best(parents, scores, depths, k)
         if not keep:  # no candidate has q > 0 (e.g. a filter left none): no tree, the round decodes plainly
-            self._rows = {}
+            self.model.rollback(slot, base)
             return empty
         index = {node: i for i, node in enumerate(keep)}
-        self._rows = {index[node]: row for node, row in self._rows.items() if node in index}
-        tree = TokenTree(torch.tensor([tokens[i] for i in keep], device=seq.device_ids.device),
+        tree = TokenTree(device_tensor([tokens[i] for i in keep], seq.device_ids.device),
                          [ROOT if parents[i] == ROOT else index[parents[i]] for i in keep], [scores[i] for i in keep])
-        self._tree = tree
+        self._trees[slot] = (tree, {index[node]: row for node, row in fed.items() if node in index})
         return Draft(tree.tokens, None, Source.TREE, steps, tree)
 
-    def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
-        """Keep in the draft's cache the accepted nodes it fed (in place after _base); it catches up on the
+    def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
+        """Keep in the draft's cache the accepted nodes it fed (in place after the base); it catches up on the
         rest next round, as a chain draft does on its last token."""
-        tree, rows = self._tree, []
-        if tree is None:  # nothing was drafted: the cache holds committed tokens only
+        if slot not in self._trees:  # nothing was drafted: the cache holds committed tokens only
             return
+        (tree, fed), rows, base = self._trees.pop(slot), [], self._base[slot]
         node = ROOT
-        for token in seq.ids[self._base : self._base + accepted]:
+        for token in seq.ids[base : base + accepted]:
             node = tree.children[node + 1].get(token, None)
-            if node is None or node not in self._rows:
+            if node is None or node not in fed:
                 break
-            rows.append(self._rows[node])
-        self.model.keep(self._base, rows)
-        self._held_seq, self._held_len = seq, self.model.length
-        self._tree, self._rows = None, {}
+            rows.append(fed[node])
+        self.model.keep(slot, base, rows)
+        self._held[slot] = (seq, self.model.lengths[slot])
 
 
 def _best(parents: list[int], scores: list[float], depths: list[int], budget: int) -> list[int]:

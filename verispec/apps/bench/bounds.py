@@ -14,8 +14,11 @@ decoding per prompt, each drafter's outcome at every position (a `Round`):
 
 With the measured costs of the target's pass over n new tokens (`Costs.verify`, n = 1 .. k_max + 1) and of a
 draft model's step, a round of k drafts costs verify[k + 1] + k * step, and plain decoding verify[1] a token
-after the prefill's first. The first round (i = 0) is the engine's: the prefill gave the target's row for the
-first position, so it feeds only its k drafts (verify[k]; nothing when k = 0).
+after the prefill's first. The first round (i = 0) is the engine's: one target pass feeds the prompt (what of it
+the cache does not hold; a prompt longer than the engine's prefill chunk goes in over several passes, the last
+one this round's) and the round's k drafts, and gives the first token. Its prompt's part is the prefill
+(`Text.prefill`, outside the decoding seconds counted here), so the round costs what its drafts add to that pass,
+k * (`Costs.prefill_token` + step), and nothing when k = 0.
 
 - `oracle_seconds`: the fewest seconds over every choice of drafter and k at every round, each round's outcome
   known (dynamic programming over positions). No policy over these drafters can beat it; over the perfect
@@ -40,6 +43,7 @@ import torch
 from verispec.backends.base import common_prefix_length
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
+from verispec.decoding.engine import PREFILL_CHUNK
 from verispec.decoding.policies.base import KPolicy, RoundReport, RoundView
 
 # at generated position i: (source, [(tokens drafted, tokens accepted) of a draft asked for k tokens, k = 1 ..
@@ -54,7 +58,8 @@ class Text:
     prompt: list[int]
     output: list[int]
     budget: int = 0  # the generation's max_new_tokens (0: len(output)); it caps k as in the engine
-    prefill: float = 0.0  # seconds of the target's prefill of the prompt
+    cached: int = 0  # prompt tokens the target's cache already held (kept from the slot's last sequence)
+    prefill: float = 0.0  # seconds of the target's prefill of the prompt (of what its cache did not hold)
     draft_prefill: float = 0.0  # seconds of the draft model's prefill of the prompt
     decode: float = 0.0  # seconds plain decoding took after the prefill, as timed
     rounds: dict[str, list[Round]] = field(default_factory=dict)  # drafter -> a Round per i = 0 .. len(output) - 1
@@ -63,26 +68,38 @@ class Text:
         """The most drafts the engine lets a round at generated position i have."""
         return (self.budget or len(self.output)) - 1 - i
 
+    @property
+    def fed(self) -> int:
+        """Prompt tokens the target's passes feed (at least the prompt's last one, whose logits give the first
+        token)."""
+        return len(self.prompt) - min(self.cached, len(self.prompt) - 1)
+
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds of the target's pass over n new tokens (`verify[n]`, n = 1 .. k_max + 1) and of one step of
-    each drafter that has a model (`steps`; free drafters are absent)."""
+    """Seconds of the target's pass over n new tokens (`verify[n]`, n = 1 .. k_max + 1), of one step of each
+    drafter that has a model (`steps`; free drafters are absent), and per token of the prompt's pass
+    (`prefill_token`: what each draft of a first round adds to the pass that feeds the prompt; 0: they ride
+    free)."""
 
     verify: dict[int, float]
     steps: dict[str, float] = field(default_factory=dict)
+    prefill_token: float = 0.0
 
     def round(self, i: int, drafter: str, drafted: int) -> float:
-        """A round at generated position i that drafted `drafted` tokens (the first round, i = 0, feeds only the
-        drafts: the prefill gave the row before them)."""
-        fed = drafted + (i > 0)
-        return (self.verify[fed] if fed else 0.0) + drafted * self.steps.get(drafter, 0.0)
+        """A round at generated position i that drafted `drafted` tokens, the prefill excluded: the first round
+        (i = 0) feeds its drafts in the prompt's pass, every other one [last committed token, drafts] in a pass of
+        its own."""
+        step = drafted * self.steps.get(drafter, 0.0)
+        if i == 0:
+            return drafted * self.prefill_token + step
+        return self.verify[drafted + 1] + step
 
     def envelope(self) -> Costs:
         """The same costs with a pass over n tokens priced at the cheapest measured pass over n or more: what a
         drafter that pads its draft (a tree can always verify more nodes) pays at least."""
         verify = {n: min(v for m, v in self.verify.items() if m >= n) for n in self.verify}
-        return Costs(verify, dict(self.steps))
+        return Costs(verify, dict(self.steps), self.prefill_token)
 
     def plain(self, text: Text) -> float:
         """Plain decoding of text.output after the prefill (which gives its first token)."""
@@ -205,15 +222,21 @@ def mean_accepted_length(rounds: list[Round]) -> float:
     return sum(a + 1 for a in drafts) / len(drafts) if drafts else 1.0
 
 
-def policy_seconds(text: Text, drafter: str, policy: KPolicy, costs: Costs) -> float:
+def policy_seconds(text: Text, drafter: str, policy: KPolicy, costs: Costs,
+                   prefill_chunk: int = PREFILL_CHUNK) -> float:
     """Seconds a k policy takes to decode text.output after the prefill with a free drafter: the engine's
     exchange with the policy replayed (its views, its own drafts, its reports), every pass priced at `costs`
     instead of timed, so that a policy is judged without a machine's noise. A free drafter's rounds need no
-    catch-up, so nothing the engine would do is left out; `policy` keeps what it learnt from texts before."""
+    catch-up, so nothing the engine would do is left out; `policy` keeps what it learnt from texts before.
+
+    The first round's report is the engine's: its pass fed the prompt's last part (the engine feeds a prompt at
+    most `prefill_chunk` tokens a pass, the earlier parts in passes the policy is not shown) and the drafts, and
+    took that part's share of `text.prefill` plus what the drafts add (`Costs.round`)."""
     out, rounds = text.output, text.rounds[drafter]
     k_max = len(rounds[0][1]) if rounds else 1
     seq = TokenSequence(text.prompt, len(text.prompt) + len(out) + 1, torch.device("cpu"))
-    policy.start(text.prefill, len(text.prompt))
+    last_part = (text.fed - 1) % prefill_chunk + 1  # the prompt's tokens in the first round's pass
+    policy.start()
     i, total = 0, 0.0
     while i < len(out):
         source, counts = rounds[i]
@@ -225,13 +248,15 @@ def policy_seconds(text: Text, drafter: str, policy: KPolicy, costs: Costs) -> f
         else:
             k = min(plan.k, limit, k_max)
             drafted, accepted = counts[k - 1] if k > 0 else (0, 0)
-        fed = drafted + (i > 0)
         seconds = costs.round(i, drafter, drafted)
+        fed, pass_seconds = drafted + 1, seconds  # a free drafter's rounds: all of it is the target's pass
+        if i == 0:
+            fed, pass_seconds = last_part + drafted, text.prefill * last_part / text.fed + seconds
         label = plan.draft.source if plan.draft is not None else source
         policy.observe(RoundReport(k=plan.k, source=label if drafted else "", drafted=drafted, accepted=accepted,
-                                   first=i == 0, own_draft=plan.draft is not None, draft_steps=0, draft_seconds=0.0,
-                                   verify_seconds=costs.verify[fed] if fed else 0.0, catchup_seconds=0.0,
-                                   catchup_tokens=0, seconds=seconds))
+                                   fed=fed, first=i == 0, own_draft=plan.draft is not None, draft_steps=0,
+                                   draft_seconds=0.0, verify_seconds=pass_seconds, catchup_seconds=0.0,
+                                   catchup_tokens=0, seconds=pass_seconds))
         committed = out[i : i + accepted + 1]
         seq.extend(committed, torch.tensor(committed))
         total += seconds

@@ -12,6 +12,11 @@ from verispec's `verispec` extension object, or from vLLM's Prometheus counters
 read before and after the request. Endpoints run interleaved, prompt by prompt, in a rotating order; the first
 endpoint is the baseline every other one's speedup is measured against, prompt by prompt. A failed prompt
 is a failed row with its one-line reason; the run goes on.
+
+Under load (`concurrency` N > 1) each endpoint runs alone in turn, N requests in flight (the next prompt sent as
+soon as one ends), and reports its aggregate tokens/s (all completion tokens over the phase's wall time) beside the
+per-request figures. A server that remembers earlier answers (verispec's suffix drafter) must be fresh for each
+phase: the warm-up request asks a question of its own, never one of the timed prompts.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
 import httpx
@@ -253,7 +259,7 @@ def run_endpoints(endpoints: list[Endpoint], prompts: list[Prompt], sampling: di
                   warmup: int = 1, timeout: float = 600.0,
                   on_run: Callable[[EndpointRun], None] | None = None) -> tuple[list[EndpointRun], dict[str, str]]:
     """Every prompt on every endpoint, interleaved (prompt i starts at endpoint i mod n); the warm-up requests
-    (the first prompt, `warmup` times per endpoint) are not recorded. A prompt's earlier turns are answered
+    (`warmup` per endpoint, see warmup_prompt) are not recorded. A prompt's earlier turns are answered
     first by the first endpoint (greedy, not recorded), so that every endpoint gets the same conversation.
     Returns the runs and each endpoint's model."""
     names = [e.name for e in endpoints]
@@ -267,7 +273,7 @@ def run_endpoints(endpoints: list[Endpoint], prompts: list[Prompt], sampling: di
             prompts, lambda p: _greedy_answer(client, baseline, models[baseline.name], p, max_tokens))
         for e in endpoints:
             for _ in range(warmup):
-                run_prompt(client, e, models[e.name], prompts[0], sampling, max_tokens)
+                run_prompt(client, e, models[e.name], warmup_prompt(prompts[0]), sampling, max_tokens)
         runs = []
         for i, prompt in enumerate(prompts):
             for j in range(len(endpoints)):
@@ -277,6 +283,51 @@ def run_endpoints(endpoints: list[Endpoint], prompts: list[Prompt], sampling: di
                     on_run(runs[-1])
     _set_speedups(runs, endpoints[0].name)
     return runs, models
+
+
+WARMUP_TEXT = "Say hello in one short sentence."
+
+
+def warmup_prompt(like: Prompt) -> Prompt:
+    """A warm-up request of the same kind (chat or completion) as `like`, asking what no timed prompt asks."""
+    return replace(like, id="warm-up", text=WARMUP_TEXT, history=(), answers=())
+
+
+def run_concurrent(endpoints: list[Endpoint], prompts: list[Prompt], sampling: dict, max_tokens: int,
+                   concurrency: int, warmup: int = 1, timeout: float = 600.0,
+                   on_run: Callable[[EndpointRun], None] | None = None,
+                   ) -> tuple[list[EndpointRun], dict[str, str], dict[str, float]]:
+    """Every prompt on each endpoint in turn, `concurrency` requests in flight; returns the runs (in prompt order
+    per endpoint), each endpoint's model and each endpoint's wall time from its first request to its last answer.
+    Earlier turns are answered by the first endpoint (greedy, not recorded), as in run_endpoints."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    names = [e.name for e in endpoints]
+    if len(set(names)) != len(names):
+        raise ValueError(f"endpoint names must differ, got {names} (name them NAME=URL)")
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    runs, walls = [], {}
+    with httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
+        models = {e.name: served_model(client, e) for e in endpoints}
+        baseline = endpoints[0]
+        prompts = answer_history(
+            prompts, lambda p: _greedy_answer(client, baseline, models[baseline.name], p, max_tokens))
+        for e in endpoints:
+            for _ in range(warmup):
+                run_prompt(client, e, models[e.name], warmup_prompt(prompts[0]), sampling, max_tokens)
+
+            def one(prompt: Prompt, e: Endpoint = e) -> EndpointRun:
+                run = run_prompt(client, e, models[e.name], prompt, sampling, max_tokens)
+                if on_run:
+                    on_run(run)
+                return run
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                runs += list(pool.map(one, prompts))
+            walls[e.name] = time.perf_counter() - t0
+    _set_speedups(runs, endpoints[0].name)
+    return runs, models, walls
 
 
 def _set_speedups(runs: list[EndpointRun], baseline: str) -> None:
@@ -289,12 +340,15 @@ def _set_speedups(runs: list[EndpointRun], baseline: str) -> None:
 
 # -- the report ----------------------------------------------------------------------------------
 
-def summarize(runs: list[EndpointRun], name: str) -> dict:
+def summarize(runs: list[EndpointRun], name: str, wall: float | None = None) -> dict:
     """One endpoint's runs (any subset): pooled tokens/s (total tokens / total seconds), pooled decode tokens/s,
-    median TTFT and total time, speedups over the baseline endpoint, acceptance where the server reports it."""
+    median TTFT and total time, the median request's tokens/s, speedups over the baseline endpoint, acceptance
+    where the server reports it; with `wall` (the runs' wall time under load), the aggregate tokens/s."""
     mine = [r for r in runs if r.config == name]
     ok = [r for r in mine if r.ok]
     out: dict = {"prompts": len(mine), "failed": len(mine) - len(ok), "new_tokens": sum(r.new_tokens for r in ok)}
+    out["aggregate_tokens_per_second"] = out["new_tokens"] / wall if wall else None
+    out["request_tokens_per_second_median"] = statistics.median([r.tokens_per_second for r in ok]) if ok else None
     seconds = sum(r.seconds for r in ok)
     out["tokens_per_second"] = out["new_tokens"] / seconds if seconds else 0.0
     decoding = [r for r in ok if r.decode_tokens_per_second is not None]
@@ -318,15 +372,16 @@ def summarize(runs: list[EndpointRun], name: str) -> dict:
 
 
 def build_endpoint_report(runs: list[EndpointRun], endpoints: list[Endpoint], models: dict[str, str],
-                          meta: dict) -> dict:
+                          meta: dict, walls: dict[str, float] | None = None) -> dict:
     """The same document as a local bench: meta, categories, configs (kind "endpoint"; the first is the
-    baseline), runs."""
+    baseline; with `walls`, each endpoint's wall time under load), runs."""
     categories = list(OrderedDict.fromkeys(r.category for r in runs))
     report = dict(meta, baseline=endpoints[0].name, categories=categories, configs=[])
+    walls = walls or {}
     for e in endpoints:
         report["configs"].append({
             "name": e.name, "kind": "endpoint", "url": e.base_url, "model": models.get(e.name),
-            "overall": summarize(runs, e.name),
+            "wall_seconds": walls.get(e.name), "overall": summarize(runs, e.name, walls.get(e.name)),
             "by_category": {c: summarize([r for r in runs if r.category == c], e.name) for c in categories},
         })
     report["runs"] = [{k: v for k, v in r.__dict__.items() if k != "text"}
@@ -346,8 +401,12 @@ def render_endpoint_table(report: dict):
 
     table = Table(title=f"verispec bench: endpoints ({report.get('sampling')}, max {report.get('max_new_tokens')} "
                         f"new tokens; speedup over {report.get('baseline')}, prompt by prompt)")
+    loaded = report.get("concurrency", 1) > 1
+    if loaded:
+        table.title += f"; {report['concurrency']} requests in flight"
     for col in ("endpoint", "category", "prompts", "failed", "tok/s", "decode tok/s", "TTFT (median)",
-                "total (median)", "speedup (median)", "accept", "mean len", "tokens from"):
+                "total (median)", "speedup (median)", "accept", "mean len", "tokens from") + (
+                ("aggregate tok/s",) if loaded else ()):
         table.add_column(escape(col), justify="left" if col in ("endpoint", "category", "tokens from") else "right")
     for entry in report["configs"]:
         for cat, s in [("all", entry["overall"])] + list(entry["by_category"].items()):
@@ -359,6 +418,7 @@ def render_endpoint_table(report: dict):
                 "1.00x (baseline)" if baseline else _fmt(s.get("speedup_median"), "{:.2f}x"),
                 _fmt(s.get("acceptance_rate"), "{:.1%}"), _fmt(s.get("mean_accepted_length"), "{:.2f}"),
                 escape(",".join(s["usage"]) or "-"),
+                *((_fmt(s.get("aggregate_tokens_per_second"), "{:.2f}"),) if loaded else ()),
             )
         table.add_section()
     return table

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from verispec.core.draft import Draft
 from verispec.core.sequence import TokenSequence
@@ -47,14 +47,16 @@ class Plan:
 
 @dataclass(frozen=True, kw_only=True)
 class RoundReport:
-    """What one round did and cost (fields by name: a dozen numbers in a row are easily swapped)."""
+    """What one round did and cost for one row (fields by name: a dozen numbers in a row are easily swapped). In a
+    round of several rows the stage times are the round's, shared by its rows."""
 
     k: int  # drafts planned
     source: str  # where the verified draft came from ('' when none was verified)
     drafted: int  # draft tokens verified
     accepted: int  # of them accepted
-    first: bool  # the generation's first round: the prefill gave the first row of p
-    own_draft: bool  # the draft was the policy's (Plan.draft), not the proposer's
+    fed: int  # tokens the row fed to the round's target pass: [last, d_1..d_k], its prompt's last part too in the first
+    first: bool  # the row's first round: its pass fed (the rest of) the prompt as well
+    own_draft: bool  # the draft was the policy's (Plan.draft), not the drafter's
     draft_steps: int  # draft-model forwards spent on the draft (0: a free drafter)
     draft_seconds: float  # drafting, catch-up excluded
     verify_seconds: float  # the target pass and the verification
@@ -65,25 +67,33 @@ class RoundReport:
     path: tuple[int, ...] = ()  # the tree nodes accepted, root to deepest
 
     @property
-    def fed(self) -> int:
-        """Tokens the round's target pass fed: [last, d_1..d_k], or only the drafts in the first round."""
-        return self.drafted + (not self.first)
-
-    @property
     def plain_tokens(self) -> int:
         """Target passes plain decoding would have made for this round's tokens."""
-        return self.accepted + self.fed - self.drafted
+        return self.accepted + 1
 
 
 class KPolicy(Protocol):
-    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
-        """A generation starts; its prefill fed `prefill_tokens` tokens in `prefill_seconds`."""
+    def start(self) -> None:
+        """A generation starts."""
 
     def choose(self, view: RoundView) -> Plan:
         """The plan for the next round (k <= view.limit)."""
 
     def observe(self, report: RoundReport) -> None:
         """The round planned last has run."""
+
+
+@runtime_checkable
+class SharedKPolicy(KPolicy, Protocol):
+    """A KPolicy that also plans rounds whose target pass several rows share, all its rows at once."""
+
+    def choose_shared(self, views: list[RoundView], width: int, rows: int) -> list[Plan]:
+        """The plans of this policy's rows (`views`); `width`: tokens the pass feeds besides their drafts; `rows`:
+        the rows that emit a token this round, theirs and others."""
+
+    def observe_shared(self, reports: list[RoundReport], width: int, prefill: bool) -> None:
+        """The shared round planned last ran: its rows' reports, `width` tokens in its pass (`prefill`: a prompt's
+        too)."""
 
 
 class FixedK:
@@ -94,7 +104,7 @@ class FixedK:
             raise ValueError(f"k must be an integer >= 0, got {k!r}")
         self.k = k
 
-    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
+    def start(self) -> None:
         pass
 
     def choose(self, view: RoundView) -> Plan:

@@ -13,17 +13,18 @@ The parts, each usable on its own with plain numbers:
     AcceptanceEstimate  a_i per draft position, and E(k)
     ProbeGate           whether speculation may draft, when it probes while off, when a source is benched
     SourcePolicy        one source's k, composing a CostModel, an AcceptanceEstimate and a ProbeGate
-    CostAwareK          the `KPolicy`: a SourcePolicy per draft source, and how a fresh policy learns its costs
+    CostAwareK          the `KPolicy`: a SourcePolicy per draft source, and how a fresh policy learns its costs;
+                        rounds whose pass several rows share are planned from the same state (SharedPass)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from verispec.core.draft import Draft
+from verispec.core.timing import device_tensor
 from verispec.decoding.policies.base import Plan, RoundReport, RoundView
+from verispec.decoding.policies.shared_pass import SharedPass
 from verispec.names.drafters import Source
 from verispec.names.k import K_MAX
 from verispec.proposers.ngram import lookup_guess
@@ -387,6 +388,14 @@ class CostAwareK:
         self.target = TargetCosts()
         self.by_source: dict[str, SourcePolicy] = {}
         self._policy: SourcePolicy | None = None  # the one that chose the last plan
+        self.shared = SharedPass(self)  # rounds whose pass several rows share
+
+    def choose_shared(self, views: list[RoundView], width: int, rows: int) -> list[Plan]:
+        """The plans of the rows with k = 'auto' in a round shared by several rows (see SharedPass)."""
+        return self.shared.choose(views, width, rows)
+
+    def observe_shared(self, reports: list[RoundReport], width: int, prefill: bool) -> None:
+        self.shared.observe(reports, width, prefill)
 
     def for_source(self, source: str) -> SourcePolicy:
         """The policy of one draft source (made on first use)."""
@@ -394,8 +403,7 @@ class CostAwareK:
             self.by_source[source] = SourcePolicy(CostModel(self.target), AcceptanceEstimate(self.k_max))
         return self.by_source[source]
 
-    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
-        self.target.observe_prefill(prefill_seconds, prefill_tokens)
+    def start(self) -> None:
         for policy in self.by_source.values():
             policy.gate.new_generation()
 
@@ -406,17 +414,21 @@ class CostAwareK:
             if step is not None:
                 policy.costs.observe_draft_step(step)
         if view.limit > 0 and self._wants_filler(policy.costs):
-            guess = torch.tensor([lookup_guess(view.seq.ids)], dtype=torch.long).to(view.seq.buffer.device)
+            guess = device_tensor([lookup_guess(view.seq.ids)], view.seq.buffer.device)
             return Plan(1, Draft(guess, None, Source.GUESS))
         return Plan(policy.choose(view.limit, view.pending))
 
     def observe(self, report: RoundReport) -> None:
-        if report.fed:
+        """A first round's pass is the prompt's prefill (its drafts too): it measures the prefill's cost per token,
+        and its saving is not judged; every other pass measures the verify cost of its width."""
+        if report.first:
+            self.target.observe_prefill(report.verify_seconds, report.fed)
+        else:
             self.target.observe_verify(report.fed, report.verify_seconds)
         if not report.own_draft:
+            round_seconds = None if report.first else report.seconds - report.catchup_seconds
             self._policy.observe(report.drafted, report.accepted, report.draft_seconds, report.catchup_seconds,
-                                 report.catchup_tokens, round_seconds=report.seconds - report.catchup_seconds,
-                                 plain_tokens=report.plain_tokens)
+                                 report.catchup_tokens, round_seconds=round_seconds, plain_tokens=report.plain_tokens)
 
     @staticmethod
     def _wants_filler(costs: CostModel) -> bool:

@@ -103,7 +103,7 @@ class TreeBudget:
         self.t_step: float | None = None  # seconds per draft forward
         self.rounds = 0
 
-    def start(self, prefill_seconds: float, prefill_tokens: int) -> None:
+    def start(self) -> None:
         pass
 
     def choose(self, view: RoundView) -> Plan:
@@ -128,7 +128,7 @@ class TreeBudget:
         return plan
 
     def observe(self, report: RoundReport) -> None:
-        if report.fed:
+        if not report.first:  # a first round's pass is mostly the prompt's prefill
             self.verify.observe(report.fed, report.verify_seconds)
         if report.drafted and report.draft_steps:
             self.t_step = ema(self.t_step, report.draft_seconds / report.draft_steps, 0.85)

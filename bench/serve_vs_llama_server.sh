@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# verispec serve against llama.cpp's own llama-server under concurrent load, on the same GGUF.
+#
+# llama-server is built from the llama.cpp source that llama-cpp-python's sdist vendors (the commit verispec runs;
+# KERNELS=verispec builds it with native/llama.cpp-kernels.patch applied, to tell verispec's kernels apart from its
+# scheduling), once, under $VERISPEC_HOME/llama-server. Then for each concurrency (CONCURRENCY, default "1 4 8")
+# each server runs alone on a fresh start (verispec's suffix drafter remembers earlier answers; no two servers
+# share the cores while one is measured): llama-server --parallel NP (default 4) plain, llama-server --parallel NP
+# with the default pair's draft model (--spec-type draft-simple), and `verispec serve` in its default configuration
+# (EXTRA_SERVE adds flags). Each is driven by `verispec bench --endpoint --concurrency C` on the same prompts: PROMPTS
+# (default 16) from Spec-Bench, PER_CATEGORY (default 3) per category, MAX_NEW (default 128) new tokens, greedy.
+# Prints a table (aggregate tokens/s, median TTFT, median per-request tokens/s, and ratios) and one JSON line;
+# the per-run reports land in out/serve_vs_llama_server/. BUILD_ONLY=1: build llama-server and stop.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python="${PYTHON:-python}"
+data="${BENCH_DATA:-../shared/bench-data}"
+home="${VERISPEC_HOME:-$HOME/.cache/verispec}"
+version="$("$python" -c "import re; print(re.search(r'LLAMA_CPP_VERSION = (\S+)', open('Makefile').read())[1])")"
+kernels="${KERNELS:-stock}"
+np="${NP:-4}"
+threads="$(nproc)"
+out="out/serve_vs_llama_server"
+mkdir -p "$out"
+
+target="$("$python" -c "from verispec.backends.loading import resolve_gguf; from verispec.names.models import DEFAULT_TARGET as t; print(resolve_gguf(t))")"
+draft="$("$python" -c "from verispec.backends.loading import resolve_gguf; from verispec.names.models import DEFAULT_DRAFT as d; print(resolve_gguf(d))")"
+
+# -- llama-server, built once per version and kernels -------------------------------------------------------
+server_dir="$home/llama-server/$version-$kernels"
+server="$server_dir/llama-server"
+if [ ! -x "$server" ]; then
+    src="$(mktemp -d)"
+    trap 'rm -rf "$src"' EXIT
+    echo "building llama-server from llama-cpp-python $version's llama.cpp ($kernels kernels)" >&2
+    "$python" -m pip download -q --no-deps --no-binary :all: -d "$src" "llama-cpp-python==$version"
+    tar xzf "$src/llama_cpp_python-$version.tar.gz" -C "$src"
+    llama="$src/llama_cpp_python-$version/vendor/llama.cpp"
+    if [ "$kernels" = verispec ]; then patch -s -p1 -d "$llama" < native/llama.cpp-kernels.patch; fi
+    cmake -S "$llama" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF >"$src/cmake.log" 2>&1 || { tail -20 "$src/cmake.log" >&2; exit 1; }
+    cmake --build "$src/build" --target llama-server -j "$threads" >"$src/build.log" 2>&1 \
+        || { tail -20 "$src/build.log" >&2; exit 1; }
+    mkdir -p "$server_dir.partial"
+    cp "$src/build/bin/llama-server" "$server_dir.partial/"
+    rm -rf "$server_dir" && mv "$server_dir.partial" "$server_dir"
+fi
+
+[ -z "${BUILD_ONLY:-}" ] || exit 0
+
+# -- one server at a time ----------------------------------------------------------------------------------
+pid=""
+stop() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi; }
+trap 'stop; rm -rf "${src:-}"' EXIT
+free_port() { "$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+wait_up() {  # url
+    for _ in $(seq 600); do
+        kill -0 "$pid" 2>/dev/null || { echo "a server exited while starting; see $out/" >&2; exit 1; }
+        "$python" -c "import httpx, sys; sys.exit(httpx.get(sys.argv[1], timeout=1).status_code != 200)" "$1" \
+            2>/dev/null && return 0
+        sleep 0.5
+    done
+    echo "server at $1 did not start; see $out/" >&2; exit 1
+}
+start() {  # name, then the server's command line; sets url
+    local name="$1"; shift
+    port="$(free_port)"
+    "$@" --host 127.0.0.1 --port "$port" >"$out/$name.log" 2>&1 &
+    pid=$!
+    url="http://127.0.0.1:$port"
+    wait_up "$url/health"
+}
+llama=("$server" -m "$target" -np "$np" -c $((np * 4096)) -t "$threads" -tb "$threads" -fa on --no-webui)
+run() {  # name, concurrency
+    "$python" -m verispec.apps.cli bench --endpoint "$1=$url/v1" --concurrency "$2" \
+        --prompts "$data/spec_bench_question.jsonl" --per-category "${PER_CATEGORY:-3}" --limit "${PROMPTS:-16}" \
+        --max-new-tokens "${MAX_NEW:-128}" --warmup 1 --json-out "$out/$1-c$2.json" >/dev/null
+    stop
+}
+for c in ${CONCURRENCY:-1 4 8}; do
+    start "llama-server-np$np" "${llama[@]}"
+    run "llama-server-np$np" "$c"
+    start "llama-server-np$np-draft" "${llama[@]}" -md "$draft" --spec-type draft-simple
+    run "llama-server-np$np-draft" "$c"
+    # shellcheck disable=SC2086
+    start verispec "$python" -m verispec.apps.cli serve --log-level warning ${EXTRA_SERVE:-}
+    run verispec "$c"
+done
+
+"$python" - "$out" "$np" "$kernels" <<'EOF'
+import glob, json, os, sys
+out, np, kernels = sys.argv[1], sys.argv[2], sys.argv[3]
+rows = {}
+for path in sorted(glob.glob(os.path.join(out, "*-c*.json"))):
+    report = json.load(open(path))
+    o = report["configs"][0]["overall"]
+    rows[(report["configs"][0]["name"], report["concurrency"])] = o
+names = sorted({n for n, _ in rows}, key=lambda n: (n == "verispec", n))
+cs = sorted({c for _, c in rows})
+print(f"{'server':28} {'conc':>4} {'agg tok/s':>10} {'x own c=1':>9} {'TTFT med':>9} {'req tok/s':>9} {'verispec x':>10}")
+summary = []
+for c in cs:
+    for n in names:
+        o = rows.get((n, c))
+        if o is None:
+            continue
+        one = rows.get((n, 1), {}).get("aggregate_tokens_per_second")
+        mine = rows.get(("verispec", c), {}).get("aggregate_tokens_per_second")
+        agg = o["aggregate_tokens_per_second"]
+        entry = {"server": n, "concurrency": c, "aggregate_tokens_per_second": agg, "ttft_median": o["ttft_median"],
+                 "request_tokens_per_second_median": o["request_tokens_per_second_median"],
+                 "vs_own_concurrency_1": agg / one if one else None, "verispec_vs_this": mine / agg if mine else None,
+                 "failed": o["failed"], "acceptance_rate": o.get("acceptance_rate")}
+        summary.append(entry)
+        fmt = lambda v, p: "-" if v is None else p.format(v)
+        print(f"{n:28} {c:>4} {agg:>10.2f} {fmt(entry['vs_own_concurrency_1'], '{:.2f}x'):>9} "
+              f"{fmt(o['ttft_median'], '{:.3f}s'):>9} {fmt(o['request_tokens_per_second_median'], '{:.2f}'):>9} "
+              f"{fmt(entry['verispec_vs_this'], '{:.2f}x'):>10}")
+print(json.dumps({"llama_server_parallel": int(np), "llama_server_kernels": kernels, "rows": summary}))
+EOF
