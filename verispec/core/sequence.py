@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.timing import device_tensor
+
 
 class TokenSequence:
     """Committed tokens: `ids` on the host, `buffer[:len]` on the device. Appending device tokens
@@ -13,7 +15,7 @@ class TokenSequence:
         self.ids: list[int] = list(prompt)
         self.prompt_length = len(prompt)
         self.buffer = torch.empty(max(capacity, len(prompt)), dtype=torch.long, device=device)
-        self.buffer[: len(prompt)] = torch.tensor(prompt, dtype=torch.long).to(device)
+        self.buffer[: len(prompt)] = device_tensor(prompt, device)
         self._presence: torch.Tensor | None = None  # [V] bool over ids[:_presence_len]
         self._presence_len = 0
 

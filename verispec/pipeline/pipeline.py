@@ -177,6 +177,7 @@ class Pipeline:
     kernels: str | None = None
     batch_reason: str | None = "batched decoding needs a pipeline made by verispec.assembly.build"
     make_batch: Callable[[int], SpeculativeGenerator] | None = None
+    _batches: dict[int, SpeculativeGenerator] = field(default_factory=dict, init=False, repr=False)  # by size
 
     # -- what was built ---------------------------------------------------------------------------
 
@@ -310,12 +311,15 @@ class Pipeline:
         return self.batch_reason
 
     def batch(self, max_batch: int) -> SpeculativeGenerator:
-        """An engine of `max_batch` slots over this pipeline's models (the same weights, caches of its own, the same
-        k policy); SpecError (runtime) when the pipeline cannot batch."""
+        """The engine of `max_batch` slots over this pipeline's models (the same weights, caches of its own, the
+        same k policy), made on first use and kept (its caches are a llama.cpp context or a padded KV cache); one
+        user at a time, like the pipeline. SpecError (runtime) when the pipeline cannot batch."""
         _check_max_batch(max_batch)
         if self.make_batch is None:
             raise SpecError(self.batch_reason or "this pipeline cannot batch", "max_batch", runtime=True)
-        return self.make_batch(max_batch)
+        if max_batch not in self._batches:
+            self._batches[max_batch] = self.make_batch(max_batch)
+        return self._batches[max_batch]
 
     def slots(self, max_batch: int = 1) -> Slots:
         """Slots for a serving loop (verispec.pipeline.slots): `max_batch` requests decoding together where the
