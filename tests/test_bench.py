@@ -220,8 +220,8 @@ def test_report_schema_and_identity(pair_dirs, tmp_path):
 def test_identity_check_catches_planted_mismatch(pair_dirs, monkeypatch):
     real = harness._run_engine
 
-    def planted(pipe, ids, params, max_new, k, warm=None):
-        out = real(pipe, ids, params, max_new, k, warm)
+    def planted(pipe, ids, params, max_new, k, warm=None, text=True):
+        out = real(pipe, ids, params, max_new, k, warm, text)
         if k == 4:  # corrupt one token of one configuration
             out["token_ids"] = out["token_ids"][:5] + [(out["token_ids"][5] + 1) % 200] + out["token_ids"][6:]
         return out
@@ -298,8 +298,8 @@ def test_repeats_pool_runs_per_prompt(pair_dirs, monkeypatch):
     real = harness._run_engine
     calls = []
 
-    def recorded(pipe, ids, params, max_new, k, warm=None):
-        out = real(pipe, ids, params, max_new, k, warm)
+    def recorded(pipe, ids, params, max_new, k, warm=None, text=True):
+        out = real(pipe, ids, params, max_new, k, warm, text)
         calls.append(k)
         out["seconds"] = {0: 2.0, 3: 1.0}[k] * len([c for c in calls if c == k])  # fake, distinct timings
         if k == 3 and len([c for c in calls if c == 3]) == 5:  # corrupt one repeat (prompt 2, repeat 2)
@@ -572,3 +572,21 @@ def test_bench_configurations_are_pipelines_sharing_models(pair_dirs, monkeypatc
     with pytest.raises(ValueError, match="needs a draft model"):
         run_benchmark(Bench(TargetSpec(target, device="cpu", dtype="fp32"), None), prompts,
                       [Config("model k=2", "spec", 2)], SamplingParams(), max_new_tokens=4, warmup=0)
+
+
+@pytest.mark.parametrize("text", [True, False])
+def test_bench_times_the_text_unless_rounds_only(pair_dirs, monkeypatch, text):
+    """By default every verispec run turns its tokens into text as a user gets them (detokenising, stop checks),
+    plain and speculative alike; `--rounds-only` (Bench(text=False)) times the rounds alone."""
+    from verispec.pipeline.text import TextAssembler
+
+    pushed = []
+    real = TextAssembler.push
+    monkeypatch.setattr(TextAssembler, "push", lambda self, tokens: pushed.append(len(tokens)) or real(self, tokens))
+    target, draft = pair_dirs
+    bench = Bench(TargetSpec(target, device="cpu", dtype="fp32"), DraftSpec("model", draft), text=text)
+    prompts = select(load_prompts(None), per_category=1)[:1]
+    runs = run_benchmark(bench, prompts, [Config("verispec k=2", "spec", 2)], SamplingParams(), max_new_tokens=6,
+                         warmup=0)
+    tokens = sum(r.new_tokens for r in runs)
+    assert sum(pushed) == (tokens if text else 0) and tokens == 12

@@ -89,6 +89,33 @@ def byte_tokenizer():
     return tok
 
 
+def sentencepiece_tokenizer():
+    """A Llama-style SentencePiece tokenizer (BPE over '▁'-joined words, byte fallback for characters it never saw,
+    the leading space dropped at the start of a decode), trained on a few sentences: a prefix's decode is not always
+    a prefix of the whole's, and characters outside its alphabet span byte tokens."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, this is a test of the tokenizer",
+              "def f(x):\n    return x + 1\n", "speculative decoding is lossless"] * 20
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizer
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    spec = json.loads(trained.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in sorted(spec["vocab"], key=spec["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["merges"]]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizer
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 def save_tiny_pair(root, vocab_size: int = 264):
     """Write a tiny target and draft (sharing the byte tokenizer) as HF directories; returns their paths."""
     tok = byte_tokenizer()

@@ -406,7 +406,8 @@ def cmd_bench_endpoints(args) -> int:
 
     local = [flag for flag, value in (("--target", args.target), ("--draft", args.draft), ("--compare", args.compare),
                                       ("--draft-variants", args.draft_variants),
-                                      ("--warm-history", args.warm_history)) if value]
+                                      ("--warm-history", args.warm_history),
+                                      ("--rounds-only", args.rounds_only)) if value]
     if local:
         raise ValueError(f"--endpoint benchmarks servers only: drop {', '.join(local)}")
     sampling = _endpoint_sampling(args)
@@ -422,7 +423,7 @@ def cmd_bench_endpoints(args) -> int:
 
     status, walls = "complete", None
     try:
-        if args.concurrency > 1:
+        if args.concurrency is not None:
             runs, models, walls = run_concurrent(endpoints, prompts, sampling, args.max_new_tokens, args.concurrency,
                                                  warmup=args.warmup, on_run=on_run)
         else:
@@ -438,7 +439,7 @@ def cmd_bench_endpoints(args) -> int:
         "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench",
         "sampling": "greedy" if args.temperature == 0 else f"T={args.temperature} top_p={args.top_p}",
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "turn": args.turn, "status": status,
-        "concurrency": args.concurrency,
+        "concurrency": args.concurrency or 1,
     }
     report = build_endpoint_report(runs, endpoints, models, meta, walls)
     _print_table(render_endpoint_table(report), args.json)
@@ -452,7 +453,7 @@ def cmd_bench(args) -> int:
         raise ValueError("--warm-history needs --turn 2 or later (a turn with a conversation before it)")
     if args.endpoint:
         return cmd_bench_endpoints(args)
-    if args.concurrency > 1:
+    if args.concurrency is not None:
         raise ValueError("--concurrency loads servers: it needs --endpoint")
     import datetime
     import platform
@@ -501,7 +502,7 @@ def cmd_bench(args) -> int:
     needs_draft = any(d not in FREE_DRAFTERS for d in drafters) or "hf" in args.compare or tree
     with _spec_errors():
         target_spec, draft_spec = _specs(args, "model" if needs_draft else "ngram")
-        bench = Bench(target_spec, draft_spec)
+        bench = Bench(target_spec, draft_spec, text=not args.rounds_only)
         pipe = bench.pipeline(Config("own", "spec", ks[0], "model" if needs_draft else "ngram"))  # for the header
     target, draft = pipe.target_ref, draft_spec.label if draft_spec is not None else None
     console = _stderr_console()
@@ -543,7 +544,7 @@ def cmd_bench(args) -> int:
         "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts or "built-in", "turn": args.turn, "warm_history": args.warm_history, "repeats": args.repeats,
         "draft_quant": pipe.draft_quant, "draft_vocab": args.draft_vocab,
         "draft_forward": pipe.draft_forward, "draft_variants": variants,
-        "backend": pipe.backend, "draft_backend": pipe.draft_backend,
+        "backend": pipe.backend, "draft_backend": pipe.draft_backend, "timed": "rounds" if args.rounds_only else "text",
         "status": status, **({"error": error} if error else {}),
     }
     report = build_report(runs, configs, meta)
@@ -814,10 +815,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "interleaved prompt by prompt, the first is the baseline), e.g. "
                         "verispec=http://127.0.0.1:8000/v1 (default: none)")
     b.add_argument("--endpoint-api-key", help="bearer token sent to the endpoints (default: none)")
-    b.add_argument("--concurrency", type=_positive_int, default=1, metavar="N",
-                   help="with --endpoint: N requests in flight, each endpoint alone in turn; reports aggregate "
-                        "tokens/s (start each run on fresh servers: verispec's suffix drafter remembers answers) "
-                        "(default: 1, interleaved)")
+    b.add_argument("--rounds-only", action="store_true",
+                   help="time verispec's decoding rounds alone, without turning tokens into text (default: the "
+                        "text too, detokenising and stop checks, as a user gets it)")
+    b.add_argument("--concurrency", type=_positive_int, default=None, metavar="N",
+                   help="with --endpoint: N requests in flight (1: one after another), each endpoint alone in turn; "
+                        "reports aggregate tokens/s (start each run on fresh servers: verispec's suffix drafter "
+                        "remembers answers) (default: the endpoints interleaved prompt by prompt)")
     b.add_argument("--json", action="store_true",
                    help="stdout carries only the JSON report (one line); the table goes to stderr")
     b.add_argument("--json-out", metavar="FILE",

@@ -381,10 +381,11 @@ class LlamaCppModel:
         self.reset()
 
     def with_slots(self, slots: int) -> LlamaCppModel:
-        """A context of `slots` sequences on the same weights (each sequence this one's context, bounded so that
-        all of them together take at most KV_MEMORY_SHARE of the available memory)."""
-        meta = gguf_metadata(self.path)
-        n_ctx = min(self.max_length, context_size(meta, available_memory(), slots=slots))
+        """A context of `slots` sequences on the same weights, sharing this one's context as llama-server's slots
+        share its -c: each sequence holds max_length // slots tokens (a multiple of CONTEXT_STEP, at least one). So
+        the batch's KV cache takes this context's memory, and the context llama.cpp sees is the one this model was
+        opened with (positional encodings that depend on it stay the same)."""
+        n_ctx = max(CONTEXT_STEP, self.max_length // slots // CONTEXT_STEP * CONTEXT_STEP)
         model = LlamaCppModel.__new__(LlamaCppModel)
         model.llm = self.llm
         model._open(self._lib, self.path, self.device, slots, n_ctx)

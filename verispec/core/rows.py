@@ -38,7 +38,7 @@ def target_rows(
     presence = None
     if params.penalised:
         presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
-    counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), len(seq.generated)
+    counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), seq.new_tokens
     if params.greedy:
         return greedy_tokens(process_logits(logits, params, presence, counts, position))  # [k+1]
     return probs_from_logits(logits, params, presence, counts, position)  # [k+1, V]
@@ -51,7 +51,7 @@ def logprob_rows(
     at temperature 1, since the one-hot would say nothing)."""
     presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens) if params.penalised else None
     counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
-    return process_logits(logits, params, presence, counts, len(seq.generated)).log_softmax(dim=-1)
+    return process_logits(logits, params, presence, counts, seq.new_tokens).log_softmax(dim=-1)
 
 
 def verify(
@@ -127,7 +127,7 @@ def tree_rows(logits: torch.Tensor, tree: TokenTree, params: SamplingParams, seq
     counts = None
     if params.counted:
         counts = count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab), tree.tokens, paths)
-    position = len(seq.generated)
+    position = seq.new_tokens
     if not params.masks_stops(position):
         return _process(logits, params, presence, counts, position, log)
     depths = device_tensor([0, *tree.depths], logits.device)  # min_tokens masks by depth: a group each

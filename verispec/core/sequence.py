@@ -28,7 +28,13 @@ class TokenSequence:
 
     @property
     def generated(self) -> list[int]:
+        """A copy of the generated ids (O(n): per round, count them with `new_tokens`)."""
         return self.ids[self.prompt_length :]
+
+    @property
+    def new_tokens(self) -> int:
+        """How many ids were generated."""
+        return len(self.ids) - self.prompt_length
 
     def extend(self, host: list[int], device: torch.Tensor) -> None:
         """Append tokens known both on the host and the device (same values)."""

@@ -279,7 +279,7 @@ class SpeculativeGenerator:
 
     def _view(self, row: Row) -> RoundView:
         """What the k policy sees before a row's round."""
-        limit = row.request.max_new_tokens - len(row.seq.generated) - 1
+        limit = row.request.max_new_tokens - row.seq.new_tokens - 1
         if self.drafter is None:
             return RoundView(row.seq, limit, Source.NONE, 0, lambda: None)
         slot, seq = row.slot, row.seq

@@ -27,19 +27,27 @@ def settle(seq: TokenSequence, committed: list[int], report: RoundReport, reques
            stop: StopFn | None, logprobs: list[TokenLogprob] | None, started: float) -> Settled:
     """Book a round that committed `committed` (already in seq) into `result`: its stats, the stop (an id in the
     request's stop ids, or `stop` on the generated ids) that ends it, max_new_tokens, the tokens and logprobs so
-    far. `started`: when the generation started (perf_counter)."""
-    stats = result.stats
+    far (`result.token_ids` grows with the round's tokens, `result.logprobs` is `logprobs` itself: a round costs
+    what its tokens cost, however long the generation). `started`: when the generation started (perf_counter)."""
+    stats, tokens = result.stats, result.token_ids
     stats.add_round(report)
-    emitted, keep = cut_at_stop(seq, committed, stop, request.stop_ids)
-    cut, full = keep is not None, len(seq.generated) >= request.max_new_tokens
-    if cut:
+    start = len(tokens)
+    tokens.extend(committed)
+    result.logprobs = logprobs
+    keep = _stop_index(tokens, start, stop, request.stop_ids)
+    emitted, cut = committed, keep is not None
+    if cut:  # what follows the stop goes
+        seq.truncate(seq.prompt_length + keep)
+        del tokens[keep:]
+        if logprobs is not None:
+            del logprobs[keep:]
+        emitted = committed[: max(0, keep - start)]
         stats.cut_round(report.drafted, report.accepted, len(emitted), None if report.tree is None else report.tree.depth)
         result.finish_reason = "stop"
-    elif full:
+    full = len(tokens) >= request.max_new_tokens
+    if full and not cut:
         result.finish_reason = "length"
-    result.token_ids = seq.generated
-    result.logprobs = None if logprobs is None else logprobs[: len(result.token_ids)]
-    stats.new_tokens, stats.seconds = len(result.token_ids), time.perf_counter() - started
+    stats.new_tokens, stats.seconds = len(tokens), time.perf_counter() - started
     if emitted and not stats.first_token_seconds:
         stats.first_token_seconds = stats.seconds
     chunk = Committed(emitted, min(report.accepted, len(emitted))) if emitted else None
@@ -55,16 +63,3 @@ def _stop_index(generated: list[int], start: int, stop: StopFn | None, stop_ids:
         if at_stop is not None:
             keep = at_stop
     return keep
-
-
-def cut_at_stop(
-    seq: TokenSequence, committed: list[int], stop: StopFn | None, stop_ids: frozenset[int]
-) -> tuple[list[int], int | None]:
-    """After a round committed `committed` (already in seq): if a stop was hit among them, truncate seq after
-    it and return (the committed tokens kept, generated tokens kept); else (committed, None)."""
-    start = len(seq.generated) - len(committed)
-    keep = _stop_index(seq.generated, start, stop, stop_ids)
-    if keep is None:
-        return committed, None
-    seq.truncate(seq.prompt_length + keep)
-    return committed[: max(0, keep - start)], keep

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from verispec.pipeline.text import REPLACEMENT, TextAssembler
+from verispec.pipeline.text import TextAssembler
 
 DRAFT, TARGET = "draft", "target"  # a token drafted and accepted; a token the target produced
 
@@ -40,12 +40,12 @@ class Piece:
 class ProvenanceText:
     """Accumulates committed chunks; `push` returns the Piece newly showable (None: nothing yet), `finish`
     the rest (None: nothing left). `assembler` is the TextAssembler deciding what may be shown (its
-    `stop_index` is the engine's stop callback; its `text` the final text)."""
+    `stop_index` is the engine's stop callback; its `text` the final text); each token's text is where the
+    assembler's text stood once it had read the token (`assembler.ends`), so a round costs what its tokens cost."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.assembler = TextAssembler(tokenizer, stop)
         self._sources: list[str] = []  # per generated token: DRAFT or TARGET
-        self._ends: list[int] = []  # per generated token: where its text ends in the decoded text
         self._done = 0  # tokens already handed out in a piece
         self._shown = 0  # characters already handed out
 
@@ -54,55 +54,39 @@ class ProvenanceText:
         """The engine's test for the stop strings, on generated ids (None: there are none to test)."""
         return self.assembler.stop_index if self.assembler.stop else None
 
-    def _decode(self, n: int) -> str:
-        return self.assembler.tokenizer.decode(self.assembler.ids[:n], skip_special_tokens=True,
-                                               clean_up_tokenization_spaces=False)
-
     def push(self, chunk: Sequence[int], accepted: int | None = None) -> Piece | None:
         """Add one round's tokens (`accepted`: how many were drafted-and-accepted; default: the chunk's own
         `.accepted`, else none)."""
         if accepted is None:
             accepted = getattr(chunk, "accepted", 0)
-        start = len(self.assembler.ids)
         self.assembler.push(list(chunk))
-        full = self.assembler._decode(self.assembler.ids)
         self._sources += [DRAFT] * accepted + [TARGET] * (len(chunk) - accepted)
-        last = self._ends[-1] if self._ends else 0
-        for i in range(start + 1, start + len(chunk) + 1):
-            text = full if i == len(self.assembler.ids) else self._decode(i)
-            end = len(text.rstrip(REPLACEMENT))
-            if not full.startswith(text[:end]):  # a decoder whose prefixes are not prefixes of the whole
-                end = next((j for j, (a, b) in enumerate(zip(text, full)) if a != b), min(end, len(full)))
-            last = max(last, end)
-            self._ends.append(last)
-        limit = self.assembler.shown
-        upto = self._done
-        while upto < len(self._ends) and self._ends[upto] <= limit:
+        ends, limit, upto = self.assembler.ends, self.assembler.shown, self._done
+        while upto < len(self._sources) and ends[upto] <= limit:
             upto += 1
-        while upto > self._done and self._ends[upto - 1] == (self._ends[upto - 2] if upto > 1 else 0):
+        while upto > self._done and ends[upto - 1] == (ends[upto - 2] if upto > 1 else 0):
             upto -= 1  # a trailing token that added no text (yet): it comes with the text that follows
-        if upto == self._done or self._ends[upto - 1] <= self._shown:
+        if upto == self._done or ends[upto - 1] <= self._shown:
             return None  # no new text: the tokens wait for the piece that shows text
-        return self._piece(upto, self._ends[upto - 1], full)
+        return self._piece(upto, ends[upto - 1])
 
     def finish(self) -> Piece | None:
         """The rest once generation ended: the remaining text (cut before a stop string) and every token not
         handed out yet."""
         self.assembler.finish()
-        if self._done == len(self._ends):
+        if self._done == len(self._sources):
             return None
-        text = self.assembler.text
-        return self._piece(len(self._ends), len(text), text)
+        return self._piece(len(self._sources), self.assembler.shown)
 
-    def _piece(self, upto: int, end: int, full: str) -> Piece:
-        spans, start = [], self._shown
+    def _piece(self, upto: int, end: int) -> Piece:
+        spans, start, ends = [], self._shown, self.assembler.ends
         for i in range(self._done, upto):
-            stop = min(self._ends[i], end) if i < upto - 1 else end
+            stop = min(ends[i], end) if i < upto - 1 else end
             stop = max(stop, start)
-            spans.append((full[start:stop], self._sources[i]))
+            spans.append((self.assembler.span(start, stop), self._sources[i]))
             start = stop
         accepted = sum(source == DRAFT for _, source in spans)
-        piece = Piece(full[self._shown : end], accepted, len(spans) - accepted, tuple(spans))
+        piece = Piece(self.assembler.span(self._shown, end), accepted, len(spans) - accepted, tuple(spans))
         self._done, self._shown = upto, end
         return piece
 

@@ -6,9 +6,13 @@ multi-byte characters and never shows text past (or the beginning of a possible)
 
 from __future__ import annotations
 
+import bisect
+import re
+import weakref
 from collections.abc import Sequence
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete multi-byte character
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool, system: str | None = None) -> list[int]:
@@ -25,26 +29,97 @@ def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
+_BYTE_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its byte-fallback ids
+
+
+def byte_tokens(tokenizer) -> frozenset[int]:
+    """The ids of a tokenizer's byte-fallback tokens (`<0xNN>`, SentencePiece's spelling of a raw byte), found once
+    per tokenizer. A SentencePiece decoder turns a run of them into text only when the whole run is valid UTF-8 (one
+    U+FFFD per byte otherwise), so a run's text is not known before a token of another kind ends it."""
+    try:
+        return _BYTE_TOKENS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    found = frozenset(i for piece, i in tokenizer.get_vocab().items() if _BYTE_PIECE.fullmatch(piece))
+    try:
+        _BYTE_TOKENS[tokenizer] = found
+    except TypeError:  # a tokenizer that takes no weak reference: found again next time
+        pass
+    return found
+
+
 class TextAssembler:
-    """Accumulates generated ids; `push` returns the newly showable text, `stop_index` is the engine's
-    stop callback, `text` is the final text (cut before the stop string)."""
+    """Generated ids -> text, in time linear in their number: `push` returns the newly showable text, `stop_index`
+    is the engine's stop test, `text` the final text (cut before the stop string).
+
+    Each id is decoded with the few ids before it, as vLLM's incremental detokenizer and transformers' TextStreamer
+    do: the window starts where the last complete text began, and the text an id adds is what the window decodes to
+    past what the window's first part decodes to. The first part absorbs a tokenizer's context (SentencePiece drops
+    the leading space at the start of a decode, so a prefix's decode need not be a prefix of the whole's); text
+    ending in an incomplete character (U+FFFD: the first bytes of a character split over ids), or in a run of
+    byte-fallback tokens (whose text a later byte can still turn into U+FFFDs, see byte_tokens), stays in the window
+    (`tail`) until a later id completes it. So `text` equals one decode of all the ids, and an id costs a decode of a
+    few ids whatever came before.
+
+    Stop strings are searched in the text new since the last search and a tail as long as the longest stop before
+    it; of those found, the one that ends first wins (see _find_stop). `stop_index` maps the stop's end to the ids to
+    keep from the per-id text lengths, without decoding again. The stop test may read ids before they are pushed
+    (the engine tests a round's ids before the text shows them); `push` then does not read them again.
+    """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
+        self.longest = max((len(s) for s in self.stop), default=1)
+        self.holdback = self.longest - 1
+        self.ids: list[int] = []  # the ids pushed
+        self.read: list[int] = []  # the ids decoded: the pushed ones, and those a stop test saw beyond them
+        self.lengths: list[int] = []  # per id read: the length of the decode of the ids through it
+        self.ends: list[int] = []  # per id read: the characters of that text that can be shown (complete ones)
         self.shown = 0  # characters already returned by push
-        self._decoded: tuple[int, str] = (0, "")
         self.stop_at: int | None = None  # character offset where a stop string begins
+        self._parts: list[str] = []  # the complete text, as the ids added it
+        self._starts: list[int] = []  # where each part begins
+        self._length = 0  # characters of complete text
+        self._tail = ""  # text of the window past its first part that is not complete yet (ends in U+FFFD)
+        self._prefix = self._split = 0  # the window: read[_prefix:]; its first part: read[_prefix:_split]
+        self._prefix_text = ""
+        self._searched = 0  # complete characters searched for stops
+        self._stop_keep: int | None = None  # ids to keep, once a stop string was found
 
     def _decode(self, ids: list[int]) -> str:
-        if self._decoded[0] == len(ids) and ids is self.ids:
-            return self._decoded[1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if ids is self.ids:
-            self._decoded = (len(ids), text)
-        return text
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _read(self, token: int) -> None:
+        """Decode one more id: its window, and the text it completes."""
+        self.read.append(token)
+        window = self._decode(self.read[self._prefix :])
+        in_run = token in byte_tokens(self.tokenizer)
+        if not window.endswith(REPLACEMENT) and not in_run:
+            new = window[len(self._prefix_text) :]
+            if new:
+                self._parts.append(new)
+                self._starts.append(self._length)
+                self._length += len(new)
+            self._prefix, self._split = self._split, len(self.read)
+            self._prefix_text = self._decode(self.read[self._prefix : self._split])
+            self._tail = ""
+        else:
+            self._tail = window[len(self._prefix_text) :]
+        self.lengths.append(self._length + len(self._tail))
+        shown = self._length + (0 if in_run else len(self._tail.rstrip(REPLACEMENT)))  # a run's text is not final
+        self.ends.append(max(shown, self.ends[-1] if self.ends else 0))
+
+    def _slice(self, start: int, end: int) -> str:
+        """The text between two character offsets (the tail included), from the parts that hold it."""
+        out, i = [], max(0, bisect.bisect_right(self._starts, start) - 1)
+        while i < len(self._parts) and self._starts[i] < end:
+            part, at = self._parts[i], self._starts[i]
+            out.append(part[max(0, start - at) : end - at])
+            i += 1
+        if end > self._length:
+            out.append(self._tail[max(0, start - self._length) : end - self._length])
+        return "".join(out)
 
     def _find_stop(self, text: str) -> tuple[int, str] | None:
         """(start, stop string) of the stop that *ends* first in `text` (on equal ends, the one starting
@@ -56,45 +131,88 @@ class TextAssembler:
         _, start, stop = min(hits)
         return start, stop
 
+    def _search(self) -> None:
+        """Look for a stop string in the text not searched yet (and the longest stop's length before it)."""
+        if not self.stop or self._stop_keep is not None:
+            return
+        start = max(0, self._searched - (self.longest - 1))
+        hit = self._find_stop(self._slice(start, self._length + len(self._tail)))
+        self._searched = self._length
+        if hit is None:
+            return
+        self.stop_at, end = start + hit[0], start + hit[0] + len(hit[1])
+        keep = len(self.read)
+        while keep > 1 and self.lengths[keep - 2] >= end:
+            keep -= 1
+        self._stop_keep = keep
+
+    def _ingest(self, ids: list[int], at: int) -> None:
+        """ids that follow the first `at` ids read: read those not read yet (ids that differ from what was read
+        rewind the reading to them)."""
+        for j, token in enumerate(ids):
+            i = at + j
+            if i < len(self.read) and self.read[i] == token:
+                continue
+            if i < len(self.read):
+                self._rewind(i)
+            self._read(token)
+
+    def _rewind(self, n: int) -> None:
+        """Forget every id read from the n-th on (read again from the start: a stop test is never shown fewer ids
+        than it saw, so this is not a path the engine takes)."""
+        kept = self.read[:n]
+        state = TextAssembler(self.tokenizer, self.stop)
+        for token in kept:
+            state._read(token)
+        for name in ("read", "lengths", "ends", "_parts", "_starts", "_length", "_tail", "_prefix", "_split",
+                     "_prefix_text"):
+            setattr(self, name, getattr(state, name))
+        self._searched, self._stop_keep, self.stop_at = 0, None, None
+
     def stop_index(self, generated: list[int]) -> int | None:
-        """Engine callback: how many generated tokens to keep when a stop string has appeared."""
+        """Engine callback: how many generated tokens to keep when a stop string has appeared (the ids only grow
+        between calls)."""
         if not self.stop:
             return None
-        text = self.tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        hit = self._find_stop(text)
-        if hit is None:
-            return None
-        end = hit[0] + len(hit[1])
-        keep = len(generated)
-        while keep > 1 and len(self.tokenizer.decode(generated[: keep - 1], skip_special_tokens=True,
-                                                     clean_up_tokenization_spaces=False)) >= end:
-            keep -= 1
-        return keep
+        if len(generated) < len(self.read):
+            self._rewind(len(generated))
+        self._ingest(generated[len(self.read) :], len(self.read))
+        self._search()
+        return self._stop_keep
 
     def push(self, tokens: list[int]) -> str:
+        """Add a round's ids; the text they make showable (none past or at the start of a possible stop string)."""
+        self._ingest(tokens, len(self.ids))
         self.ids.extend(tokens)
-        text = self._decode(self.ids)
-        hit = self._find_stop(text)
-        if hit is not None:
-            self.stop_at = hit[0]
-            end = hit[0]
+        self._search()
+        if self.stop_at is not None:
+            end = self.stop_at
         else:
-            end = len(text.rstrip(REPLACEMENT)) - self.holdback
+            end = (self.ends[len(self.ids) - 1] if self.ids else 0) - self.holdback
         if end <= self.shown:
             return ""
-        piece = text[self.shown : end]
+        piece = self._slice(self.shown, end)
         self.shown = end
         return piece
 
     def finish(self) -> str:
         """The rest of the text once generation ended."""
-        text = self.text
-        piece = text[self.shown :]
-        self.shown = len(text)
+        end = self._text_end()
+        piece = self._slice(self.shown, end)
+        self.shown = end
         return piece
+
+    def span(self, start: int, end: int) -> str:
+        """The text between two character offsets."""
+        return self._slice(start, end)
+
+    def _text_end(self) -> int:
+        if self.stop_at is not None:
+            return self.stop_at
+        n = len(self.ids)
+        return self.lengths[n - 1] if n else 0
 
     @property
     def text(self) -> str:
-        text = self._decode(self.ids)
-        hit = self._find_stop(text)
-        return text[: hit[0]] if hit else text
+        """The text of the ids pushed (cut before a stop string)."""
+        return self._slice(0, self._text_end())

@@ -136,7 +136,7 @@ class DraftModel:
                 slot, seq, _, _ = rows[i]
                 params, generator = self._settings[slot]
                 presence, counts, tokens, probs = state[i]
-                position = len(seq.generated) + step  # the target's row for this draft sees the same
+                position = seq.new_tokens + step  # the target's row for this draft sees the same
                 token, q = draft_token(align_vocab(row_logits, self.vocab_size), params, presence, counts, position,
                                        generator)
                 presence, counts = after_token(presence, counts, token)

@@ -13,14 +13,15 @@ read before and after the request. Endpoints run interleaved, prompt by prompt, 
 endpoint is the baseline every other one's speedup is measured against, prompt by prompt. A failed prompt
 is a failed row with its one-line reason; the run goes on.
 
-Under load (`concurrency` N > 1) each endpoint runs alone in turn, N requests in flight (the next prompt sent as
-soon as one ends), and reports its aggregate tokens/s (all completion tokens over the phase's wall time) beside the
+Under load (`concurrency` N) each endpoint runs alone in turn, N requests in flight (the next prompt sent as
+soon as one ends; N = 1: one after another), and reports its aggregate tokens/s (all completion tokens over the phase's wall time) beside the
 per-request figures. A server that remembers earlier answers (verispec's suffix drafter) must be fresh for each
 phase: the warm-up request asks a question of its own, never one of the timed prompts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -385,8 +386,8 @@ def build_endpoint_report(runs: list[EndpointRun], endpoints: list[Endpoint], mo
             "by_category": {c: summarize([r for r in runs if r.category == c], e.name) for c in categories},
         })
     report["runs"] = [{k: v for k, v in r.__dict__.items() if k != "text"}
-                      | {"tokens_per_second": r.tokens_per_second,
-                         "decode_tokens_per_second": r.decode_tokens_per_second} for r in runs]
+                      | {"tokens_per_second": r.tokens_per_second, "decode_tokens_per_second": r.decode_tokens_per_second,
+                         "text_sha1": hashlib.sha1(r.text.encode()).hexdigest() if r.ok else None} for r in runs]
     report["failures"] = [f"{r.config} {r.prompt_id}: {r.error}" for r in runs if not r.ok]
     return report
 
@@ -401,9 +402,9 @@ def render_endpoint_table(report: dict):
 
     table = Table(title=f"verispec bench: endpoints ({report.get('sampling')}, max {report.get('max_new_tokens')} "
                         f"new tokens; speedup over {report.get('baseline')}, prompt by prompt)")
-    loaded = report.get("concurrency", 1) > 1
+    loaded = any(c.get("wall_seconds") for c in report["configs"])
     if loaded:
-        table.title += f"; {report['concurrency']} requests in flight"
+        table.title += f"; {report.get('concurrency')} in flight"
     for col in ("endpoint", "category", "prompts", "failed", "tok/s", "decode tok/s", "TTFT (median)",
                 "total (median)", "speedup (median)", "accept", "mean len", "tokens from") + (
                 ("aggregate tok/s",) if loaded else ()):

@@ -67,10 +67,12 @@ class Bench:
     """What one benchmark run compares, built from specs: a pipeline per configuration (each with its own
     k and its own k policy), all on one ModelStore so that each model loads once, and the objects of the
     reference implementations (Hugging Face's assisted generation, llama-cpp-python). Pipelines share the
-    store's models, hence their KV caches: every run resets its pipeline first (see ModelStore)."""
+    store's models, hence their KV caches: every run resets its pipeline first (see ModelStore). verispec's runs
+    time what a user gets, the text included (detokenising, stop checks); `text=False` times the rounds alone."""
 
-    def __init__(self, target: TargetSpec, draft: DraftSpec | None, store: ModelStore | None = None) -> None:
-        self.target, self.draft = target, draft
+    def __init__(self, target: TargetSpec, draft: DraftSpec | None, store: ModelStore | None = None,
+                 text: bool = True) -> None:
+        self.target, self.draft, self.text = target, draft, text
         self.store = store if store is not None else ModelStore()
         self._pipelines: dict[tuple, Pipeline] = {}
         self._references: dict[str, object] = {}
@@ -195,13 +197,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int | str,
-                warm: list[int] | None = None) -> dict:
+                warm: list[int] | None = None, text: bool = True) -> dict:
     pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
     if warm is not None:  # the earlier turn answered first, untimed: its caches and drafter state, as in a chat
         pipe.generator.generate(warm, params, max_new_tokens=max_new, num_draft_tokens=k)
     stream = pipe.stream(Request(prompt_ids=ids, params=params, max_new_tokens=max_new, num_draft_tokens=k))
     first_tokens, timeline, start = 0, [], time.perf_counter()
-    for committed, _ in stream.rounds(text=False):  # decoding alone: a round commits one token or several
+    for committed, _ in stream.rounds(text=text):  # a round commits one token or several
         first_tokens = first_tokens or len(committed)
         timeline.append((time.perf_counter() - start, (timeline[-1][1] if timeline else 0) + len(committed)))
     result = stream.result
@@ -444,4 +446,5 @@ def _one(bench: Bench, config: Config, ids: list[int], params: SamplingParams, m
         return _run_hf(bench.baseline, ids, params, max_new, None)
     if config.kind in ("llama", "llama-lookup"):
         return _run_llama(bench, ids, params, max_new, config.kind == "llama-lookup", warm)
-    return _run_engine(bench.pipeline(config), ids, params, max_new, config.k if config.kind == "spec" else 0, warm)
+    return _run_engine(bench.pipeline(config), ids, params, max_new, config.k if config.kind == "spec" else 0, warm,
+                       bench.text)

@@ -49,6 +49,7 @@ from verispec.apps.server.protocol import (
     unsupported_field,
 )
 from verispec.apps.server.worker import Job, QueueFull, ShuttingDown, Worker
+from verispec.backends.threads import release_openmp_threads
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request as GenerationRequest
 from verispec.pipeline.pipeline import Completion, Pipeline
@@ -144,6 +145,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
         app.state.on_exit = lambda: loop.call_soon_threadsafe(worker.refuse_waiting, SHUTDOWN_MESSAGE)
+        release_openmp_threads()  # the models were loaded on this thread: its OpenMP team goes (backends.threads)
         worker.start()
         yield
         await loop.run_in_executor(None, worker.stop)
