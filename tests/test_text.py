@@ -222,6 +222,26 @@ def test_incremental_text_equals_the_reference_on_a_sentencepiece_tokenizer(seed
             assert_same_text(sp, ids, stops, seed)
 
 
+def test_a_special_token_inside_a_byte_run_leaves_the_run_whole():
+    """A decode that skips special tokens drops them before the decoder joins byte tokens into text, so byte tokens
+    on both sides of a special one are one run: 'A' then byte 0x82 is invalid UTF-8 as a whole (a U+FFFD per byte),
+    and the three bytes of '€' split by one make '€'."""
+    import random
+
+    from tiny import sentencepiece_tokenizer
+
+    sp = sentencepiece_tokenizer()
+    byte = {b: sp.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    ok = sp("ok", add_special_tokens=False).input_ids
+    for data, at in ((b"A\x82", 1), (b"\xe2\x82\xac", 1), (b"\xe2\x82\xac", 2), (b"AB", 1)):
+        ids = ok + [byte[b] for b in data[:at]] + [sp.eos_token_id] + [byte[b] for b in data[at:]] + ok
+        text = sp.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert text == sp.decode([i for i in ids if i != sp.eos_token_id], clean_up_tokenization_spaces=False)
+        for seed in range(3):
+            for stops in stops_of(text, random.Random(seed)):
+                assert_same_text(sp, ids, stops, seed)
+
+
 def test_a_stop_test_that_sees_fewer_ids_reads_again(tok):
     """The engine never shows the stop test fewer ids than before; if a caller does, it is read again from the
     start rather than answered from ids it no longer has."""

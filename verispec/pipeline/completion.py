@@ -25,4 +25,5 @@ class Completion:
     @classmethod
     def of(cls, text: str, result: GenerationResult) -> Completion:
         """The Completion of a generation's token-level result and its text."""
-        return cls(text, list(result.token_ids), result.finish_reason, result.stats, result.logprobs)
+        logprobs = None if result.logprobs is None else list(result.logprobs)
+        return cls(text, list(result.token_ids), result.finish_reason, result.stats, logprobs)

@@ -35,7 +35,8 @@ _BYTE_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokeniz
 def byte_tokens(tokenizer) -> frozenset[int]:
     """The ids of a tokenizer's byte-fallback tokens (`<0xNN>`, SentencePiece's spelling of a raw byte), found once
     per tokenizer. A SentencePiece decoder turns a run of them into text only when the whole run is valid UTF-8 (one
-    U+FFFD per byte otherwise), so a run's text is not known before a token of another kind ends it."""
+    U+FFFD per byte otherwise), so a run's text is not known before a token of another kind ends it (a special token
+    does not: a decode that skips special tokens drops it before the decoder joins the run)."""
     try:
         return _BYTE_TOKENS[tokenizer]
     except (KeyError, TypeError):
@@ -84,6 +85,9 @@ class TextAssembler:
         self._tail = ""  # text of the window past its first part that is not complete yet (ends in U+FFFD)
         self._prefix = self._split = 0  # the window: read[_prefix:]; its first part: read[_prefix:_split]
         self._prefix_text = ""
+        self._bytes = byte_tokens(tokenizer)
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self._in_run = False  # the last id read that is not special is a byte token
         self._searched = 0  # complete characters searched for stops
         self._stop_keep: int | None = None  # ids to keep, once a stop string was found
 
@@ -94,7 +98,7 @@ class TextAssembler:
         """Decode one more id: its window, and the text it completes."""
         self.read.append(token)
         window = self._decode(self.read[self._prefix :])
-        in_run = token in byte_tokens(self.tokenizer)
+        in_run = self._in_run = token in self._bytes or (token in self._special and self._in_run)
         if not window.endswith(REPLACEMENT) and not in_run:
             new = window[len(self._prefix_text) :]
             if new:
@@ -165,7 +169,7 @@ class TextAssembler:
         for token in kept:
             state._read(token)
         for name in ("read", "lengths", "ends", "_parts", "_starts", "_length", "_tail", "_prefix", "_split",
-                     "_prefix_text"):
+                     "_prefix_text", "_in_run"):
             setattr(self, name, getattr(state, name))
         self._searched, self._stop_keep, self.stop_at = 0, None, None
 
