@@ -1,29 +1,38 @@
 PYTHON ?= python3
 VERISPEC_HOME ?= $(HOME)/.cache/verispec
 
-.PHONY: setup install install-llamacpp models test test-fast browser-deps
+.PHONY: setup install install-llamacpp llamacpp-wheel models test test-fast browser-deps
 
-# Install the package into the current Python environment (torch pinned to 2.13.0, CPU), pull the default
-# model pair and the small test model, and try the optional llama.cpp backend: a failed llama.cpp build
-# prints a warning and leaves the default pair (transformers) working.
-setup: install models
-	@$(MAKE) --no-print-directory install-llamacpp || \
-	  echo "verispec: warning: the optional llama.cpp backend did not build; everything else works" \
-	       "(retry with 'make install-llamacpp')" >&2
+# Install the package into the current Python environment (torch pinned to 2.13.0, CPU) and pull the default
+# model pair and the small test model (GGUFs and tokenizers; transformers' bf16 copies are made on first use) while
+# the optional llama.cpp backend compiles beside them (it needs neither); then install it. A failed llama.cpp
+# build prints its last lines and a warning, and the default pair runs on transformers. Each part prints its time.
+setup:
+	@start=$$(date +%s); log=$$(mktemp /tmp/verispec-llama-build.XXXXXX); \
+	since() { echo "verispec: $$1 ($$(( $$(date +%s) - start )) s)" >&2; }; \
+	echo "verispec: llama.cpp with verispec's kernels compiles in the background unless built (log: $$log)" >&2; \
+	$(MAKE) --no-print-directory llamacpp-wheel >$$log 2>&1 & build=$$!; \
+	$(MAKE) --no-print-directory install && since "package installed" && \
+	$(MAKE) --no-print-directory models && since "models pulled"; ok=$$?; \
+	if wait $$build && $(MAKE) --no-print-directory install-llamacpp; then since "llama.cpp backend installed"; \
+	else tail -n 20 $$log >&2; echo "verispec: warning: the optional llama.cpp backend did not build; everything" \
+	  "else works, on transformers (retry with 'make install-llamacpp')" >&2; fi; \
+	rm -f $$log; exit $$ok
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
 
 # The llama.cpp backend (the [llamacpp] extra): llama-cpp-python's source with verispec's kernel patch
 # (native/llama.cpp-kernels.patch: multi-column kernels that make a verification pass over a few tokens cost
-# little more than one token, and batch-invariant switches), compiled for this CPU (-march=native). AMX is
+# little more than one token, and batch-invariant switches), compiled for this CPU (-march=native), without the
+# multimodal library (mtmd: llama-cpp-python loads it only for image chat, which verispec does not use). AMX is
 # left out unless LLAMA_AMX=1 and native/amx_probe.c runs AMX tiles here (its one-line reason is printed
 # otherwise). The built wheel is kept under $(VERISPEC_HOME)/wheels, keyed by the version, the patch, the
 # flags, Python and the CPU's feature flags, so that a fresh environment on the same machine installs it in
-# seconds instead of compiling for ~7 minutes; the build reports its key (VERISPEC_BUILD in llama.cpp's
+# seconds instead of compiling for minutes; the build reports its key (VERISPEC_BUILD in llama.cpp's
 # system info), so an installed llama-cpp-python built otherwise is replaced. The wheel's own dependencies are
 # installed after it, and a llama-cpp-python that then fails to import is removed again, so that the default
-# pair falls back to transformers.
+# pair falls back to transformers. `llamacpp-wheel` only builds the wheel (no environment needed beyond pip).
 LLAMA_CPP_VERSION = 0.3.36
 LLAMA_PATCH = native/llama.cpp-kernels.patch
 LLAMA_AMX ?= 0
@@ -39,23 +48,27 @@ LLAMA_KEY := $(shell { $(PYTHON) -c 'import sys; print(sys.implementation.cache_
                cat $(LLAMA_PATCH); grep -m1 '^flags' /proc/cpuinfo; } 2>/dev/null | md5sum | cut -c1-12)
 LLAMA_CFLAGS = $(filter-out AMX,$(LLAMA_AMX_FLAGS)) -DVERISPEC_BUILD_KEY=$(LLAMA_KEY)
 LLAMA_WHEELS = $(VERISPEC_HOME)/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_KEY)
-install-llamacpp:
-	@if $(PYTHON) -c "import llama_cpp, sys; sys.exit(b'VERISPEC_BUILD = $(LLAMA_KEY) ' not in \
-	    llama_cpp.llama_print_system_info())" 2>/dev/null; then echo "llama-cpp-python already installed"; exit 0; fi; \
+LLAMA_INSTALLED = $(PYTHON) -c "import llama_cpp, sys; sys.exit(b'VERISPEC_BUILD = $(LLAMA_KEY) ' not in \
+	  llama_cpp.llama_print_system_info())" 2>/dev/null
+llamacpp-wheel:
+	@if ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || $(LLAMA_INSTALLED); then exit 0; fi; \
 	set -e; \
-	if ! ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
-	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) with verispec's kernels for this CPU (~7 min)"; \
-	  rm -rf $(LLAMA_WHEELS).partial $(LLAMA_BUILD_DIR); mkdir -p $(LLAMA_BUILD_DIR); \
-	  trap 'rm -rf $(LLAMA_BUILD_DIR)' EXIT; \
-	  $(PYTHON) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_BUILD_DIR) \
-	    'llama-cpp-python==$(LLAMA_CPP_VERSION)'; \
-	  tar xzf $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_BUILD_DIR); \
-	  patch -s -p1 -d $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp < $(LLAMA_PATCH); \
-	  CMAKE_ARGS="-DCMAKE_C_FLAGS='$(LLAMA_CFLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMA_CFLAGS)'" \
-	    $(PYTHON) -m pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial \
-	    $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION); \
-	  mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS); \
-	fi; \
+	echo "building llama-cpp-python $(LLAMA_CPP_VERSION) with verispec's kernels for this CPU"; \
+	rm -rf $(LLAMA_WHEELS).partial $(LLAMA_BUILD_DIR); mkdir -p $(LLAMA_BUILD_DIR); \
+	trap 'rm -rf $(LLAMA_BUILD_DIR)' EXIT; \
+	$(PYTHON) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_BUILD_DIR) \
+	  'llama-cpp-python==$(LLAMA_CPP_VERSION)'; \
+	tar xzf $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_BUILD_DIR); \
+	patch -s -p1 -d $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp < $(LLAMA_PATCH); \
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$(LLAMA_CFLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMA_CFLAGS)'" \
+	  $(PYTHON) -m pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial \
+	  $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION); \
+	mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS)
+
+install-llamacpp:
+	@if $(LLAMA_INSTALLED); then echo "llama-cpp-python already installed"; exit 0; fi; \
+	set -e; \
+	$(MAKE) --no-print-directory llamacpp-wheel; \
 	$(PYTHON) -m pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl; \
 	$(PYTHON) -m pip install -q $(LLAMA_WHEELS)/llama_cpp_python-*.whl; \
 	$(PYTHON) -c "import llama_cpp" || { $(PYTHON) -m pip uninstall -q -y llama-cpp-python; exit 1; }

