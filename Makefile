@@ -6,18 +6,21 @@ VERISPEC_HOME ?= $(HOME)/.cache/verispec
 # Install the package into the current Python environment (torch pinned to 2.13.0, CPU) and pull the default
 # model pair and the small test model (GGUFs and tokenizers; transformers' bf16 copies are made on first use) while
 # the optional llama.cpp backend compiles beside them (it needs neither); then install it. A failed llama.cpp
-# build prints its last lines and a warning, and the default pair runs on transformers. Each part prints its time.
+# build prints its last lines and a warning, and the default pair runs on transformers; a failed install or pull,
+# or an interrupt, stops the build too (it runs in a process group of its own). Each part prints its time.
 setup:
-	@start=$$(date +%s); log=$$(mktemp /tmp/verispec-llama-build.XXXXXX); \
+	@set -m; start=$$(date +%s); log=$$(mktemp /tmp/verispec-llama-build.XXXXXX); \
 	since() { echo "verispec: $$1 ($$(( $$(date +%s) - start )) s)" >&2; }; \
 	echo "verispec: llama.cpp with verispec's kernels compiles in the background unless built (log: $$log)" >&2; \
 	$(MAKE) --no-print-directory llamacpp-wheel >$$log 2>&1 & build=$$!; \
-	$(MAKE) --no-print-directory install && since "package installed" && \
-	$(MAKE) --no-print-directory models && since "models pulled"; ok=$$?; \
+	stop() { kill -TERM -- -$$build 2>/dev/null; wait $$build; rm -f $$log; }; \
+	trap 'stop; exit 130' INT TERM; \
+	if ! { $(MAKE) --no-print-directory install && since "package installed" && \
+	       $(MAKE) --no-print-directory models && since "models pulled"; }; then stop; exit 1; fi; \
 	if wait $$build && $(MAKE) --no-print-directory install-llamacpp; then since "llama.cpp backend installed"; \
 	else tail -n 20 $$log >&2; echo "verispec: warning: the optional llama.cpp backend did not build; everything" \
 	  "else works, on transformers (retry with 'make install-llamacpp')" >&2; fi; \
-	rm -f $$log; exit $$ok
+	rm -f $$log
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'

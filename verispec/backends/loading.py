@@ -42,8 +42,8 @@ class ModelSource:
 
 
 def resolve(ref: str, weights: bool = True) -> ModelSource:
-    """Where transformers finds a model; `weights` False: the tokenizer (and generation config) only, which a
-    known model has without its conversion for transformers."""
+    """Where transformers finds a model; `weights` False: the tokenizer only, which a known model has without its
+    conversion for transformers."""
     if ref in KNOWN_MODELS:
         return ModelSource(str(transformers_dir(ref, weights)), None, ref)
     p = Path(ref).expanduser()

@@ -324,20 +324,20 @@ def pull(
     spec = known(name)
     root = root or cache_root()
     final = model_dir(name, root)
-    if installed(name, root):
-        if weights:
-            to_transformers(name, root, convert, progress)
-        return final, False
-    with _PullLock(root, name):
-        if installed(name, root):  # a concurrent pull finished while this one started
-            return final, False
-        if final.exists():
-            raise ModelError(f"{final} exists but is not a complete install; remove it and pull again")
-        need = int(spec.size * (PULL_DISK_FACTOR + (CONVERT_DISK_FACTOR if weights else 0)))
-        _in_work_dir(root, name, need, "pulling", lambda work: _pull_into(
-            spec, work, final, download, (convert or convert_gguf) if weights else None, progress,
-            tokenizer or extract_tokenizer))
-    return final, True
+    pulled = False
+    if not installed(name, root):
+        with _PullLock(root, name):
+            if not installed(name, root):  # else a concurrent pull finished while this one started
+                if final.exists():
+                    raise ModelError(f"{final} exists but is not a complete install; remove it and pull again")
+                need = int(spec.size * (PULL_DISK_FACTOR + (CONVERT_DISK_FACTOR if weights else 0)))
+                _in_work_dir(root, name, need, "pulling", lambda work: _pull_into(
+                    spec, work, final, download, (convert or convert_gguf) if weights else None, progress,
+                    tokenizer or extract_tokenizer))
+                pulled = True
+    if weights:  # converted in the pull just made, or now
+        to_transformers(name, root, convert, progress)
+    return final, pulled
 
 
 def _pull_into(
