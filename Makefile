@@ -7,12 +7,13 @@ VERISPEC_HOME ?= $(HOME)/.cache/verispec
 # model pair and the small test model (GGUFs and tokenizers; transformers' bf16 copies are made on first use) while
 # the optional llama.cpp backend compiles beside them (it needs neither); then install it. A failed llama.cpp
 # build prints its last lines and a warning, and the default pair runs on transformers; a failed install or pull,
-# or an interrupt, stops the build too (it runs in a process group of its own). Each part prints its time.
+# or an interrupt, stops the build too (setsid: it runs in a process group of its own, whatever the shell).
+# Each part prints its time.
 setup:
-	@set -m; start=$$(date +%s); log=$$(mktemp /tmp/verispec-llama-build.XXXXXX); \
+	@start=$$(date +%s); log=$$(mktemp /tmp/verispec-llama-build.XXXXXX); \
 	since() { echo "verispec: $$1 ($$(( $$(date +%s) - start )) s)" >&2; }; \
 	echo "verispec: llama.cpp with verispec's kernels compiles in the background unless built (log: $$log)" >&2; \
-	$(MAKE) --no-print-directory llamacpp-wheel >$$log 2>&1 & build=$$!; \
+	$$(command -v setsid) $(MAKE) --no-print-directory llamacpp-wheel >$$log 2>&1 & build=$$!; \
 	stop() { kill -TERM -- -$$build 2>/dev/null; wait $$build; rm -f $$log; }; \
 	trap 'stop; exit 130' INT TERM; \
 	if ! { $(MAKE) --no-print-directory install && since "package installed" && \
@@ -28,7 +29,8 @@ install:
 # The llama.cpp backend (the [llamacpp] extra): llama-cpp-python's source with verispec's kernel patch
 # (native/llama.cpp-kernels.patch: multi-column kernels that make a verification pass over a few tokens cost
 # little more than one token, and batch-invariant switches), compiled for this CPU (-march=native), without the
-# multimodal library (mtmd: llama-cpp-python loads it only for image chat, which verispec does not use). AMX is
+# multimodal library and llama.cpp's common library and HTTP client beneath it (mtmd: llama-cpp-python loads it
+# only for image chat, which verispec does not use; nothing else loads the common library). AMX is
 # left out unless LLAMA_AMX=1 and native/amx_probe.c runs AMX tiles here (its one-line reason is printed
 # otherwise). The built wheel is kept under $(VERISPEC_HOME)/wheels, keyed by the version, the patch, the
 # flags, Python and the CPU's feature flags, so that a fresh environment on the same machine installs it in
@@ -63,6 +65,8 @@ llamacpp-wheel:
 	  'llama-cpp-python==$(LLAMA_CPP_VERSION)'; \
 	tar xzf $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_BUILD_DIR); \
 	patch -s -p1 -d $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp < $(LLAMA_PATCH); \
+	sed -i 's/set(LLAMA_BUILD_COMMON ON CACHE/set(LLAMA_BUILD_COMMON OFF CACHE/' \
+	  $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/CMakeLists.txt; \
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$(LLAMA_CFLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMA_CFLAGS)'" \
 	  $(PYTHON) -m pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS).partial \
 	  $(LLAMA_BUILD_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION); \

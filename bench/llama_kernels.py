@@ -6,8 +6,11 @@ Every configuration runs in a process of its own (llama.cpp reads its kernel swi
 loaded at once; the passes take turns across configurations and widths in a shuffled order each repeat, so
 that the machine's drift falls on all of them alike, and each cell is the median over the repeats.
 
-    default            verispec's build as verispec runs it: multi-column kernels for every pass, repacked
-                       weights, flash attention (one-token attention not split across threads), every core
+    default            verispec's build as verispec runs it: multi-column kernels for every pass (the best
+                       variant this CPU runs), repacked weights, flash attention (one-token attention not split
+                       across threads), every core
+    avx2               default with the kernels' AVX2 variant (VERISPEC_GGML_MULTICOL_ISA=avx2): what a CPU
+                       without AVX512-VNNI runs (the same as default on such a CPU)
     exact              the same with batch-invariant kernels (--exact-kernels)
     stock              llama.cpp's own kernels in the same build (VERISPEC_GGML_MULTICOL=0,
                        VERISPEC_GGML_FA_SPLIT_KV=1): repacked Q4_K GEMM on groups of 4 columns, one-column Q6_K
@@ -44,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verispec.backends.llamacpp import ENV_EXACT, ENV_MULTICOL, ENV_SPLIT_KV, EXACT_WIDTH, kernels
+from verispec.backends.llamacpp import ENV_EXACT, ENV_MULTICOL, ENV_MULTICOL_ISA, ENV_SPLIT_KV, EXACT_WIDTH, kernels
 from verispec.names.models import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +69,7 @@ class Config:
 STOCK = {ENV_MULTICOL: "0", ENV_SPLIT_KV: "1"}
 CONFIGS = {
     "default": Config(),
+    "avx2": Config({ENV_MULTICOL_ISA: "avx2"}),
     "exact": Config({ENV_EXACT: str(EXACT_WIDTH)}),
     "stock": Config(STOCK),
     "stock-no-repack": Config(STOCK, repack=False),

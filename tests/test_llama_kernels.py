@@ -8,6 +8,7 @@ process, so the passes run in child processes."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,7 +25,9 @@ from verispec.names.models import DEFAULT_TARGET
 
 VERISPEC_BUILD = ("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | VERISPEC_BUILD = 0123abcd | "
                   "VERISPEC_MULTICOL = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
-AVX2_BUILD = "CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 | VERISPEC_BUILD = 0123abcd | LLAMAFILE = 1 | REPACK = 1 | "
+AVX2_BUILD = ("CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 | VERISPEC_BUILD = 0123abcd | VERISPEC_MULTICOL = AVX2 | "
+              "LLAMAFILE = 1 | REPACK = 1 | ")
+SSE_BUILD = "CPU : SSE3 = 1 | VERISPEC_BUILD = 0123abcd | LLAMAFILE = 1 | "
 STOCK_BUILD = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | "
 
 
@@ -52,11 +55,15 @@ def system_info(monkeypatch):
 
 def test_kernels_read_from_the_features_list(system_info):
     system_info(VERISPEC_BUILD)
-    assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol=True, amx=False, exact=0)
+    assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol="AVX512-VNNI", amx=False, exact=0)
+    system_info(VERISPEC_BUILD.replace("VERISPEC_MULTICOL = 1", "VERISPEC_MULTICOL = AVX512_VNNI"))
+    assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol="AVX512-VNNI", amx=False, exact=0)
     system_info(AVX2_BUILD)
-    assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol=False, amx=False, exact=0)
+    assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol="AVX2", amx=False, exact=0)
+    system_info(SSE_BUILD)
+    assert llamacpp.kernels() == llamacpp.Kernels("0123abcd", multicol=None, amx=False, exact=0)
     system_info(STOCK_BUILD)
-    assert llamacpp.kernels() == llamacpp.Kernels(None, multicol=False, amx=True, exact=0, split_kv=True,
+    assert llamacpp.kernels() == llamacpp.Kernels(None, multicol=None, amx=True, exact=0, split_kv=True,
                                                   tiled_fa=True, interleave=False)
 
 
@@ -64,30 +71,32 @@ def test_each_kernel_state_says_why_in_one_line(system_info):
     system_info(VERISPEC_BUILD)
     assert "multi-column kernels (AVX512-VNNI)" in llamacpp.kernels().describe()
     system_info(AVX2_BUILD)
-    assert "lacks AVX512-VNNI" in llamacpp.kernels().describe()
+    assert "multi-column kernels (AVX2)" in llamacpp.kernels().describe()
+    system_info(SSE_BUILD)
+    assert "lacks AVX2 and FMA" in llamacpp.kernels().describe()
     system_info(STOCK_BUILD)
     line = llamacpp.kernels().describe(["Q4_K"])
     assert "make install-llamacpp" in line and "AMX" in line and "not batch-invariant" in line
-    for line in (llamacpp.Kernels("k", True, False, 512).describe(), llamacpp.Kernels(None, False, False, 0).describe()):
+    for line in (llamacpp.Kernels("k", "AVX2", False, 512).describe(), llamacpp.Kernels(None, None, False, 0).describe()):
         assert line.startswith("llama.cpp: ") and "\n" not in line
-    assert "exact kernels for every weight type" in llamacpp.Kernels("k", True, False, 512).describe()
+    assert "exact kernels for every weight type" in llamacpp.Kernels("k", "AVX2", False, 512).describe()
 
 
 def test_batch_invariance_said_per_weight_types():
     """Q4_K/Q6_K weights are batch-invariant on the multi-column kernels; other types only with exact kernels;
     any switch that makes attention depend on its pass, AMX or a CPU without the kernels says why not."""
-    default = llamacpp.Kernels("k", multicol=True, amx=False, exact=0)
+    default = llamacpp.Kernels("k", multicol="AVX2", amx=False, exact=0)
     assert default.variance({"Q4_K", "Q6_K"}) is None
     assert default.describe({"Q4_K", "Q6_K"}).endswith("; batch-invariant")
     assert "Q4_1" in default.variance({"Q4_K", "Q4_1"}) and "--exact-kernels" in default.variance({"Q4_1"})
     assert "not repacked" in default.variance({"Q4_K (not repacked)"})
-    assert llamacpp.Kernels("k", True, False, 512).variance({"Q4_1", "Q8_0"}) is None
-    for kernels, why in ((llamacpp.Kernels("k", True, False, 0, split_kv=True), "attention"),
-                         (llamacpp.Kernels("k", True, False, 0, tiled_fa=True), "attention"),
-                         (llamacpp.Kernels("k", True, False, 0, interleave=False), "attention"),
-                         (llamacpp.Kernels("k", True, True, 0), "AMX"),
-                         (llamacpp.Kernels("k", False, False, 0), "AVX512-VNNI"),
-                         (llamacpp.Kernels(None, False, False, 0), "stock")):
+    assert llamacpp.Kernels("k", "AVX2", False, 512).variance({"Q4_1", "Q8_0"}) is None
+    for kernels, why in ((llamacpp.Kernels("k", "AVX2", False, 0, split_kv=True), "attention"),
+                         (llamacpp.Kernels("k", "AVX2", False, 0, tiled_fa=True), "attention"),
+                         (llamacpp.Kernels("k", "AVX2", False, 0, interleave=False), "attention"),
+                         (llamacpp.Kernels("k", "AVX2", True, 0), "AMX"),
+                         (llamacpp.Kernels("k", None, False, 0), "AVX2 and FMA"),
+                         (llamacpp.Kernels(None, None, False, 0), "stock")):
         assert why in kernels.variance({"Q4_K"}), kernels
 
 
@@ -149,26 +158,29 @@ def test_exact_kernels_are_llama_cpps_and_cover_every_pass():
 
 # -- on the real GGUFs ---------------------------------------------------------------------------------
 
-# Prefill `context` tokens, then for each width n: a pass over n tokens, and n one-token passes from the same
-# cache; report per width whether the logits are bitwise equal and how far apart they are.
+# Prefill `context` tokens, then for each width n (2..16 unless given): a pass over n tokens, and n one-token
+# passes from the same cache; report per width whether the logits are bitwise equal and how far apart they are,
+# and a hash of the widest width's one-token logits (to compare processes that run other kernels).
 _PASSES = textwrap.dedent("""
-    import json, sys, torch
+    import hashlib, json, sys, torch
     from verispec.backends.base import Sequence
     from verispec.backends.llamacpp import LlamaCppModel, kernels, use_exact_kernels
     from verispec.backends.loading import resolve_gguf
     name, context, exact = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "exact"
+    widths = [int(n) for n in sys.argv[4].split(",")] if len(sys.argv) > 4 else range(2, 17)
     if exact:
         use_exact_kernels()
     model = Sequence(LlamaCppModel(resolve_gguf(name), n_ctx=1024))
     model.forward(torch.arange(1000, 1000 + context) % model.vocab_size, last_only=True)
     tokens = torch.tensor([(2000 + 37 * i) % model.vocab_size for i in range(16)])
     out = {"kernels": kernels().describe(model.model.weight_types), "multicol": kernels().multicol, "widths": {}}
-    for n in (2, 3, 5, 9, 16):
+    model.rollback(context)  # token i's one-token pass sees the context and tokens[:i], whatever the width
+    single = torch.cat([model.forward(tokens[i : i + 1]) for i in range(max(widths))])
+    for n in widths:
         model.rollback(context)
         batch = model.forward(tokens[:n])
-        model.rollback(context)
-        single = torch.cat([model.forward(tokens[i : i + 1]) for i in range(n)])
-        out["widths"][n] = [torch.equal(batch, single), (batch - single).abs().max().item()]
+        out["widths"][n] = [torch.equal(batch, single[:n]), (batch - single[:n]).abs().max().item()]
+    out["single"] = hashlib.sha256(single.float().numpy().tobytes()).hexdigest()
     print(json.dumps(out))
 """)
 
@@ -217,12 +229,12 @@ def _child(script: str, *args: str, **env: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def _passes(name: str, context: int, mode: str, **env: str) -> dict:
+def _passes(name: str, context: int, mode: str, *widths: int, **env: str) -> dict:
     from verispec.names.models import installed
 
     if installed(name) is None:
         pytest.fail(f"{name} is not installed; run `make setup`")
-    return _child(_PASSES, name, str(context), mode, **env)
+    return _child(_PASSES, name, str(context), mode, *([",".join(map(str, widths))] if widths else []), **env)
 
 
 def _batched(name: str, mode: str, **env: str) -> dict:
@@ -234,12 +246,14 @@ def _batched(name: str, mode: str, **env: str) -> dict:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name, mode", [(DEFAULT_TARGET, "default"), ("smollm2-135m-instruct", "exact")])
-def test_sequences_batched_in_one_context_get_bitwise_their_logits_alone(name, mode):
-    """The 1.5B's Q4_K/Q6_K weights by default, SmolLM2's Q4_1 weights with exact kernels: every position of
-    every sequence equals its solo one-token pass, whatever the rows beside it, the slot it is in and the junk
-    drafts its batch mates rolled back; the process says the model is batch-invariant."""
-    result = _batched(name, mode)
+@pytest.mark.parametrize("name, mode, env", [(DEFAULT_TARGET, "default", {}),
+                                             (DEFAULT_TARGET, "default", {llamacpp.ENV_MULTICOL_ISA: "avx2"}),
+                                             ("smollm2-135m-instruct", "exact", {})])
+def test_sequences_batched_in_one_context_get_bitwise_their_logits_alone(name, mode, env):
+    """The 1.5B's Q4_K/Q6_K weights by default (each variant of the kernels), SmolLM2's Q4_1 weights with exact
+    kernels: every position of every sequence equals its solo one-token pass, whatever the rows beside it, the
+    slot it is in and the junk drafts its batch mates rolled back; the process says the model is batch-invariant."""
+    result = _batched(name, mode, **env)
     if mode == "default" and "multi-column" not in result["kernels"]:
         pytest.skip(f"no multi-column kernels here: {result['kernels']}")
     assert result["same"] == [True, True, True] and result["invariant"], result
@@ -267,14 +281,28 @@ def test_exact_kernels_make_a_pass_over_n_tokens_equal_n_one_token_passes(name):
     assert all(same for same, _ in result["widths"].values()), result["widths"]
 
 
+@functools.cache
+def _stock_passes() -> dict:
+    return _passes(DEFAULT_TARGET, 300, "default", 5, 16, **{llamacpp.ENV_MULTICOL: "0"})
+
+
 @pytest.mark.integration
-def test_default_kernels_compute_each_token_as_a_one_token_pass():
-    """The default on Q4_K/Q6_K weights: the multi-column kernels give every column bitwise what the one-token
-    kernels give (the same integer sums and float steps), and one-token attention is not split."""
-    result = _passes(DEFAULT_TARGET, 300, "default")
+@pytest.mark.parametrize("isa", ["best", "avx2"])
+def test_default_kernels_compute_each_token_as_the_stock_one_token_pass(isa):
+    """The default on Q4_K/Q6_K weights, in each variant of the multi-column kernels (the best this CPU runs, and
+    the AVX2 one, which AVX512 machines run when asked): every column of a pass over 2..16 tokens is bitwise what
+    the one-token pass gives (the same integer sums and float steps); and a one-token pass on them is bitwise
+    llama.cpp's own (the kernels on one-token passes only, against none, both prefilling the context alike)."""
+    env = {llamacpp.ENV_MULTICOL_ISA: "avx2"} if isa == "avx2" else {}
+    result = _passes(DEFAULT_TARGET, 300, "default", **env)
     if not result["multicol"]:
         pytest.skip(f"no multi-column kernels here: {result['kernels']}")
+    assert isa != "avx2" or result["multicol"] == "AVX2", result["kernels"]
     assert all(same for same, _ in result["widths"].values()), result["widths"]
+    one_token = _passes(DEFAULT_TARGET, 300, "default", 16, **env, **{llamacpp.ENV_MULTICOL: "1"})
+    stock = _stock_passes()  # which rounds some widths otherwise (its repacked Q4_K GEMM): it ran other kernels
+    assert not all(same for same, _ in stock["widths"].values()), stock["widths"]
+    assert one_token["single"] == stock["single"]
 
 
 @pytest.mark.integration

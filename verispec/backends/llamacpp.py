@@ -39,6 +39,7 @@ N_BATCH = 512  # tokens per llama_decode call (a longer pass is split)
 EXACT_WIDTH = N_BATCH  # the widest pass the batch-invariant kernels cover: every pass
 ENV_EXACT = "VERISPEC_GGML_EXACT"  # the patch's process-wide switches, read when llama.cpp first computes
 ENV_MULTICOL = "VERISPEC_GGML_MULTICOL"
+ENV_MULTICOL_ISA = "VERISPEC_GGML_MULTICOL_ISA"  # "avx2": the kernels' AVX2 variant even where AVX512-VNNI is there
 ENV_SPLIT_KV = "VERISPEC_GGML_FA_SPLIT_KV"
 ENV_FA_TILED = "VERISPEC_GGML_FA_TILED"
 ENV_KV_INTERLEAVE = "VERISPEC_KV_INTERLEAVE"
@@ -46,6 +47,9 @@ ENV_KV_INTERLEAVE = "VERISPEC_KV_INTERLEAVE"
 # the order of its positions (see the module docstring); set before llama.cpp first computes
 BATCH_INVARIANT_ENV = {ENV_SPLIT_KV: "0", ENV_FA_TILED: "0", ENV_KV_INTERLEAVE: "1"}
 INVARIANT_TYPES = {12: "Q4_K", 14: "Q6_K"}  # GGUF weight types whose multi-column kernels are batch-invariant
+# the features list's VERISPEC_MULTICOL value -> the instruction set of the kernels' variant ("1": a build that
+# had only the AVX512-VNNI one)
+MULTICOL_ISAS = {"1": "AVX512-VNNI", "AVX512_VNNI": "AVX512-VNNI", "AVX2": "AVX2"}
 KV_MEMORY_SHARE = 0.25  # the most of the available memory one model's KV cache may take
 CONTEXT_STEP = 256  # a context chosen from memory is a multiple of this (and at least this)
 KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV cache type is f16
@@ -70,14 +74,15 @@ def import_llama_cpp():
 @dataclass(frozen=True)
 class Kernels:
     """The llama.cpp kernels of this process. `build`: verispec's build key (None: llama-cpp-python was not built
-    by `make install-llamacpp`); `multicol`: verispec's multi-column kernels are compiled in (x86 with AVX512-VNNI);
+    by `make install-llamacpp`); `multicol`: the instruction set whose variant of verispec's multi-column kernels
+    runs ("AVX512-VNNI" or "AVX2", the same bits; None: this CPU has neither, or the build is not x86);
     `amx`: llama.cpp's AMX kernels are; `exact`: the widest pass computed by batch-invariant kernels (0: none);
     `split_kv`: one-token flash attention splits long contexts across threads; `tiled_fa`: flash attention runs
     its tiled kernel for passes of many rows; `interleave`: a context of several sequences keeps each one's cells
     in the order of its positions."""
 
     build: str | None
-    multicol: bool
+    multicol: str | None
     amx: bool
     exact: int
     split_kv: bool = False
@@ -96,7 +101,7 @@ class Kernels:
         if self.amx:
             return "llama.cpp's AMX kernels round a token differently in passes of different widths"
         if not self.multicol:
-            return "this CPU lacks AVX512-VNNI, which verispec's multi-column kernels need"
+            return "this CPU lacks AVX2 and FMA, which verispec's multi-column kernels need"
         other = sorted(set(weight_types) - set(INVARIANT_TYPES.values()))
         if other:
             return (f"{', '.join(other)} weights run llama.cpp's own kernels, not made to compute a token alike in "
@@ -110,9 +115,10 @@ class Kernels:
             line = ("stock llama-cpp-python kernels (built without verispec's patch: `make install-llamacpp` builds "
                     "the multi-column kernels that make verification cheaper)")
         elif self.multicol:
-            line = "verispec's multi-column kernels (AVX512-VNNI): each Q4_K/Q6_K weight block read once for a whole pass"
+            line = (f"verispec's multi-column kernels ({self.multicol}): each Q4_K/Q6_K weight block read once for a "
+                    f"whole pass")
         else:
-            line = "stock kernels: this CPU lacks AVX512-VNNI, which verispec's multi-column kernels need"
+            line = "stock kernels: this CPU lacks AVX2 and FMA, which verispec's multi-column kernels need"
         if self.amx:
             line += "; llama.cpp's AMX kernels"
         if self.exact:
@@ -139,10 +145,11 @@ def kernels() -> Kernels:
     features = _features()
     build = features.get("VERISPEC_BUILD")
     if build is None:
-        return Kernels(None, False, features.get("AMX_INT8") == "1", 0, True, True, False)
+        return Kernels(None, None, features.get("AMX_INT8") == "1", 0, True, True, False)
     exact = int(os.environ.get(ENV_EXACT) or 0)
-    return Kernels(build, features.get("VERISPEC_MULTICOL") == "1", features.get("AMX_INT8") == "1", exact,
-                   _switch(ENV_SPLIT_KV) and not exact, _switch(ENV_FA_TILED), _switch(ENV_KV_INTERLEAVE))
+    isa = MULTICOL_ISAS.get(features.get("VERISPEC_MULTICOL", ""))
+    return Kernels(build, isa, features.get("AMX_INT8") == "1", exact, _switch(ENV_SPLIT_KV) and not exact,
+                   _switch(ENV_FA_TILED), _switch(ENV_KV_INTERLEAVE))
 
 
 _opened = False  # a llama.cpp model was opened in this process: it may have computed, its switches read
