@@ -73,7 +73,7 @@ def test_each_kernel_state_says_why_in_one_line(system_info):
     system_info(AVX2_BUILD)
     assert "multi-column kernels (AVX2)" in llamacpp.kernels().describe()
     system_info(SSE_BUILD)
-    assert "lacks AVX2 and FMA" in llamacpp.kernels().describe()
+    assert "multi-column kernels do not run" in llamacpp.kernels().describe()
     system_info(STOCK_BUILD)
     line = llamacpp.kernels().describe(["Q4_K"])
     assert "make install-llamacpp" in line and "AMX" in line and "not batch-invariant" in line
@@ -95,7 +95,7 @@ def test_batch_invariance_said_per_weight_types():
                          (llamacpp.Kernels("k", "AVX2", False, 0, tiled_fa=True), "attention"),
                          (llamacpp.Kernels("k", "AVX2", False, 0, interleave=False), "attention"),
                          (llamacpp.Kernels("k", "AVX2", True, 0), "AMX"),
-                         (llamacpp.Kernels("k", None, False, 0), "AVX2 and FMA"),
+                         (llamacpp.Kernels("k", None, False, 0), "AVX2, FMA and F16C"),
                          (llamacpp.Kernels(None, None, False, 0), "stock")):
         assert why in kernels.variance({"Q4_K"}), kernels
 
@@ -302,6 +302,7 @@ def test_default_kernels_compute_each_token_as_the_stock_one_token_pass(isa):
     one_token = _passes(DEFAULT_TARGET, 300, "default", 16, **env, **{llamacpp.ENV_MULTICOL: "1"})
     stock = _stock_passes()  # which rounds some widths otherwise (its repacked Q4_K GEMM): it ran other kernels
     assert not all(same for same, _ in stock["widths"].values()), stock["widths"]
+    assert stock["multicol"] is None and "do not run" in stock["kernels"]  # the process says they are off
     assert one_token["single"] == stock["single"]
 
 

@@ -50,6 +50,8 @@ INVARIANT_TYPES = {12: "Q4_K", 14: "Q6_K"}  # GGUF weight types whose multi-colu
 # the features list's VERISPEC_MULTICOL value -> the instruction set of the kernels' variant ("1": a build that
 # had only the AVX512-VNNI one)
 MULTICOL_ISAS = {"1": "AVX512-VNNI", "AVX512_VNNI": "AVX512-VNNI", "AVX2": "AVX2"}
+NO_MULTICOL = ("verispec's multi-column kernels do not run (switched off by VERISPEC_GGML_MULTICOL=0, or a CPU "
+               "without AVX2, FMA and F16C)")
 KV_MEMORY_SHARE = 0.25  # the most of the available memory one model's KV cache may take
 CONTEXT_STEP = 256  # a context chosen from memory is a multiple of this (and at least this)
 KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV cache type is f16
@@ -75,7 +77,7 @@ def import_llama_cpp():
 class Kernels:
     """The llama.cpp kernels of this process. `build`: verispec's build key (None: llama-cpp-python was not built
     by `make install-llamacpp`); `multicol`: the instruction set whose variant of verispec's multi-column kernels
-    runs ("AVX512-VNNI" or "AVX2", the same bits; None: this CPU has neither, or the build is not x86);
+    runs ("AVX512-VNNI" or "AVX2", the same bits; None: switched off, a CPU with neither, or a build not for x86);
     `amx`: llama.cpp's AMX kernels are; `exact`: the widest pass computed by batch-invariant kernels (0: none);
     `split_kv`: one-token flash attention splits long contexts across threads; `tiled_fa`: flash attention runs
     its tiled kernel for passes of many rows; `interleave`: a context of several sequences keeps each one's cells
@@ -101,7 +103,7 @@ class Kernels:
         if self.amx:
             return "llama.cpp's AMX kernels round a token differently in passes of different widths"
         if not self.multicol:
-            return "this CPU lacks AVX2 and FMA, which verispec's multi-column kernels need"
+            return NO_MULTICOL
         other = sorted(set(weight_types) - set(INVARIANT_TYPES.values()))
         if other:
             return (f"{', '.join(other)} weights run llama.cpp's own kernels, not made to compute a token alike in "
@@ -118,7 +120,7 @@ class Kernels:
             line = (f"verispec's multi-column kernels ({self.multicol}): each Q4_K/Q6_K weight block read once for a "
                     f"whole pass")
         else:
-            line = "stock kernels: this CPU lacks AVX2 and FMA, which verispec's multi-column kernels need"
+            line = f"stock kernels: {NO_MULTICOL}"
         if self.amx:
             line += "; llama.cpp's AMX kernels"
         if self.exact:
