@@ -95,7 +95,7 @@ UNIT_TESTS = HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist l
 # can (root, or sudo without a password); elsewhere that test skips and says why.
 test:
 	@$(MAKE) --no-print-directory browser-deps || echo "verispec: browser test dependencies not installed;" \
-	  "tests/test_browser.py will skip" >&2
+	  "tests/apps/test_browser.py will skip" >&2
 	$(UNIT_TESTS); unit=$$?; HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -m integration; integration=$$?; \
 	  [ $$unit -eq 0 ] && [ $$integration -eq 0 ]
 

@@ -52,7 +52,8 @@ def export(rev: str, into: Path) -> Path:
 
 
 def cli_module(tree: Path) -> str:
-    return "verispec.apps.cli" if (tree / "verispec/apps/cli.py").exists() else "verispec.cli"
+    apps_cli = (tree / "verispec/apps/cli.py").exists() or (tree / "verispec/apps/cli").is_dir()
+    return "verispec.apps.cli" if apps_cli else "verispec.cli"
 
 
 def run_one(tree: Path, args, out: Path) -> dict:

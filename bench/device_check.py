@@ -177,7 +177,7 @@ def costs(model, device, context: int = 512) -> dict:
     batch = LeanBatch(LeanNet(model), 8)
     gen, vocab = torch.Generator().manual_seed(0), model.config.vocab_size
     for slot in range(8):
-        batch.forward_rows([slot], [torch.randint(0, vocab, (context,), generator=gen).to(device)], keep=[0])
+        batch.forward_rows([slot], [torch.randint(0, vocab, (context,), generator=gen).to(device)], logits_for=[0])
     tokens = torch.randint(0, vocab, (16,), generator=gen).to(device)
 
     def one_pass(rows: int, n: int):

@@ -17,7 +17,7 @@ import torch
 from verispec.assembly.registry import BACKENDS, LoadRequest
 from verispec.backends.base import Sequence
 from verispec.backends.loading import DTYPES
-from verispec.names.models import DEFAULT_DRAFT
+from verispec.catalog import DEFAULT_DRAFT
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import torch
 from verispec.backends.base import Sequence
 from verispec.backends.llamacpp import LlamaCppModel
 from verispec.backends.loading import resolve_gguf
-from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def main() -> None:

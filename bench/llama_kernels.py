@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verispec.backends.llamacpp import ENV_EXACT, ENV_MULTICOL, ENV_MULTICOL_ISA, ENV_SPLIT_KV, EXACT_WIDTH, kernels
-from verispec.names.models import DEFAULT_TARGET
+from verispec.catalog import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
 # After a pass, llama.cpp's OpenMP threads spin for a while before they sleep: a process answers only once its

@@ -28,7 +28,7 @@ def tiny_model(root: str) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from verispec.backends.loading import load_tokenizer
-    from verispec.names.models import DEFAULT_TARGET
+    from verispec.catalog import DEFAULT_TARGET
 
     tok = load_tokenizer(DEFAULT_TARGET)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -32,8 +32,8 @@ esac
 out="out/serve_vs_llama_server/$set_name"
 mkdir -p "$out"
 
-target="$("$python" -c "from verispec.backends.loading import resolve_gguf; from verispec.names.models import DEFAULT_TARGET as t; print(resolve_gguf(t))")"
-draft="$("$python" -c "from verispec.backends.loading import resolve_gguf; from verispec.names.models import DEFAULT_DRAFT as d; print(resolve_gguf(d))")"
+target="$("$python" -c "from verispec.backends.loading import resolve_gguf; from verispec.catalog import DEFAULT_TARGET as t; print(resolve_gguf(t))")"
+draft="$("$python" -c "from verispec.backends.loading import resolve_gguf; from verispec.catalog import DEFAULT_DRAFT as d; print(resolve_gguf(d))")"
 
 # -- llama-server, built once per version and kernels -------------------------------------------------------
 server_dir="$home/llama-server/$version-$kernels"

@@ -6,7 +6,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+# the shared helpers (tiny.py, ...) and the test modules of every layer's folder import by module name
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
+                               if os.path.isdir(os.path.join(HERE, d)) and d.isidentifier() and not d.startswith("_"))
 
 ALL_THREADS = torch.get_num_threads()
 

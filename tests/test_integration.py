@@ -7,7 +7,7 @@ import json
 import pytest
 
 from verispec.apps.cli import main
-from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed
+from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, installed
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +63,7 @@ def test_real_tokenizer_extraction(tmp_path, name):
 
     from verispec.backends.llamacpp import eog_ids_of_gguf
     from verispec.backends.loading import eog_token_ids
-    from verispec.names.models import GGUF_NAME, extract_tokenizer, to_transformers
+    from verispec.catalog import GGUF_NAME, extract_tokenizer, to_transformers
 
     _need(name)
     gguf = installed(name) / GGUF_NAME
@@ -84,7 +84,7 @@ def test_real_gguf_conversion(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verispec.names.models import GGUF_NAME, convert_gguf, to_transformers
+    from verispec.catalog import GGUF_NAME, convert_gguf, to_transformers
 
     _need("smollm2-135m-instruct")
     installed_dir = installed("smollm2-135m-instruct")

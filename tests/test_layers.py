@@ -1,8 +1,8 @@
 """The package's layers: every import inside verispec points down (or within its layer), never up.
 
-names (torch-free) -> core -> backends -> proposers -> decoding -> pipeline -> assembly -> apps, then the public
-facade (verispec/__init__.py, verispec/chat.py) over them all. Every import counts: module-level, inside a
-function, under TYPE_CHECKING."""
+names -> catalog (both torch-free) -> core -> backends -> proposers -> decoding -> pipeline -> assembly -> apps,
+then the public facade (verispec/__init__.py, verispec/chat.py) over them all. Every import counts: module-level,
+inside a function, under TYPE_CHECKING."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "verispec"
-LAYERS = ["names", "core", "backends", "proposers", "decoding", "pipeline", "assembly", "apps"]
+LAYERS = ["names", "catalog", "core", "backends", "proposers", "decoding", "pipeline", "assembly", "apps"]
 FACADE = len(LAYERS)  # verispec/__init__.py and the top-level modules that keep public paths
 
 
@@ -71,9 +71,13 @@ def test_imports_point_down(path):
     assert not upward, f"{module_name(path)} imports up: {upward}"
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "names").rglob("*.py")), ids=lambda p: module_name(p))
-def test_names_are_torch_free(path):
-    """Parsing a command line or listing models needs no torch: the names layer imports none at module level."""
+TORCH_FREE = sorted((PACKAGE / "names").rglob("*.py")) + sorted((PACKAGE / "catalog").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", TORCH_FREE, ids=lambda p: module_name(p))
+def test_names_and_catalog_are_torch_free(path):
+    """Parsing a command line or listing models needs no torch: the names and catalog layers import none at module
+    level."""
     tree = ast.parse(path.read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     heavy = [ast.unparse(n) for n in top if any(

@@ -1,2 +1,2 @@
-"""Layer 7, the front ends: the `verispec` command, the chat REPL and ChatBot, the OpenAI-compatible server,
+"""Layer 8, the front ends: the `verispec` command, the chat REPL and ChatBot, the OpenAI-compatible server,
 the benchmark harness, export to other engines."""

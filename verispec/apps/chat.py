@@ -16,6 +16,7 @@ from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
 from verispec.decoding.stats import SpecStats
 from verispec.names.k import DEFAULT_K
+from verispec.names.options import MAX_NEW_TOKENS
 from verispec.pipeline.pipeline import Pipeline
 from verispec.pipeline.provenance import Piece
 from verispec.pipeline.text import encode_messages
@@ -63,7 +64,7 @@ class ChatBot:
     system_prompt: str | None = None
     params: SamplingParams = SamplingParams()
     num_draft_tokens: int | None = None
-    max_new_tokens: int = 512
+    max_new_tokens: int = MAX_NEW_TOKENS
     stop: tuple[str, ...] = ()
     measure_plain: bool = False
     history: list[dict] = field(default_factory=list)

@@ -1,1 +1,1 @@
-"""Layer 6: from specs to a ready Pipeline: which backend, dtype and drafter, loading and sharing models."""
+"""Layer 7: from specs to a ready Pipeline: which backend, dtype and drafter, loading and sharing models."""

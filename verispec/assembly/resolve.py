@@ -14,10 +14,10 @@ from verispec.assembly.registry import BACKENDS, DRAFTERS, is_loaded
 from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.backends.loading import resolve as resolve_source
 from verispec.backends.loading import resolve_device, resolve_gguf
+from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, installed, pull
 from verispec.names.drafters import BACKEND_NAMES, QUANT_MODES
 from verispec.names.errors import ModelError, SpecError
 from verispec.names.k import default_drafter
-from verispec.names.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed, pull
 
 
 @dataclass(frozen=True)

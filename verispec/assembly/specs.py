@@ -45,7 +45,7 @@ class TargetSpec:
     BACKENDS, or auto (the fastest for this machine and target, see choose_backend). `device`: auto (CUDA
     when available), cpu, cuda or cuda:N. `dtype`: bf16, fp16 or fp32 for a model verispec loads (None:
     the fastest the device computes in, see choose_dtype). `ctx_size`: llama.cpp's context in tokens (None:
-    the model's trained context, bounded by memory, see verispec.backends.llamacpp.context_size);
+    the model's trained context, bounded by memory, see verispec.backends.gguf.context_size);
     transformers models ignore it. `exact_kernels`: llama.cpp computes every pass of up to EXACT_WIDTH tokens
     with batch-invariant kernels, so a verification pass gives bitwise the logits plain decoding would
     (process-wide; needs verispec's llama.cpp build, see verispec.backends.llamacpp.use_exact_kernels).

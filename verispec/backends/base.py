@@ -20,9 +20,10 @@ import torch
 class Model(Protocol):
     """The caches of `slots` sequences, `lengths[s]` positions held by slot s. `forward_rows` appends feeds[b]
     (>= 1 token, 1-D long on `device`) to slot slots[b] for every row in one pass and returns each row's logits
-    [keep_b, V] (of its last keep[b] tokens; default all; last_only: the last one); `rollback(slot, n)` keeps a
-    slot's first n positions; `move(src, dst)` gives slot src's cache to slot dst (dst takes its length; src's
-    cache is undefined afterwards); `reset` forgets one slot, or all. `max_length` is the context of each slot."""
+    [logits_for[b], V], of its last logits_for[b] tokens (default all; last_only: the last one; 0: none, for a
+    prompt fed in parts); `rollback(slot, n)` keeps a slot's first n positions; `move(src, dst)` gives slot src's
+    cache to slot dst (dst takes its length; src's cache is undefined afterwards); `reset` forgets one slot, or
+    all. `max_length` is the context of each slot."""
 
     device: torch.device
     vocab_size: int
@@ -31,7 +32,7 @@ class Model(Protocol):
     lengths: list[int]
 
     def forward_rows(self, slots: list[int], feeds: list[torch.Tensor], last_only: bool = False,
-                     keep: list[int] | None = None) -> list[torch.Tensor]: ...
+                     logits_for: list[int] | None = None) -> list[torch.Tensor]: ...
 
     def rollback(self, slot: int, length: int) -> None: ...
 
@@ -45,33 +46,35 @@ class TreeModel(Model, Protocol):
     """A Model that verifies token trees: `forward_tree` appends n nodes to a slot (stored in the order given, at
     RoPE positions `positions` [n], the largest `last_position`) and returns their logits [n, V]; every node sees
     the slot's cache before `base` and, of what lies from `base` on, the columns where visible[i] is True (its
-    ancestors and itself). `keep(slot, base, rows)` keeps after `base` only the rows base + rows[i] (ascending):
-    the accepted path moves into place and the slot's length becomes base + len(rows)."""
+    ancestors and itself). `compact(slot, base, rows)` keeps after `base` only the rows base + rows[i]
+    (ascending), moved to base, base + 1, ...: the accepted path moves into place and the slot's length becomes
+    base + len(rows)."""
 
     def forward_tree(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, base: int,
                      visible: torch.Tensor, last_position: int) -> torch.Tensor: ...
 
-    def keep(self, slot: int, base: int, rows: list[int]) -> None: ...
+    def compact(self, slot: int, base: int, rows: list[int]) -> None: ...
 
 
 def check_rows(model: Model, slots: list[int], feeds: list[torch.Tensor], last_only: bool,
-               keep: list[int] | None) -> list[int]:
-    """The kept token count of each row of a `forward_rows` call, after checking the call (ValueError): slots in
-    range and distinct, every row fed >= 1 token and keeping at most those, the context not exceeded."""
+               logits_for: list[int] | None) -> list[int]:
+    """How many of its last tokens each row of a `forward_rows` call returns logits for, after checking the call
+    (ValueError): slots in range and distinct, every row fed >= 1 token and keeping the logits of at most those,
+    the context not exceeded."""
     sizes = [f.numel() for f in feeds]
-    if last_only and keep is not None:
-        raise ValueError("give last_only or keep, not both")
-    keep = [1] * len(sizes) if last_only else list(sizes) if keep is None else list(keep)
-    if (len(slots) != len(sizes) or len(keep) != len(sizes) or not sizes or min(sizes) < 1
-            or any(not 0 <= k <= size for k, size in zip(keep, sizes))):
+    if last_only and logits_for is not None:
+        raise ValueError("give last_only or logits_for, not both")
+    counts = [1] * len(sizes) if last_only else list(sizes) if logits_for is None else list(logits_for)
+    if (len(slots) != len(sizes) or len(counts) != len(sizes) or not sizes or min(sizes) < 1
+            or any(not 0 <= k <= size for k, size in zip(counts, sizes))):
         raise ValueError(f"every row of a pass needs at least one token and keeps at most those; got {sizes} fed, "
-                         f"{keep} kept for slots {slots}")
+                         f"{counts} kept for slots {slots}")
     if len(set(slots)) != len(slots) or not all(0 <= s < model.slots for s in slots):
         raise ValueError(f"slots {slots} are not distinct slots of the model's {model.slots}")
     longest = max(model.lengths[s] + size for s, size in zip(slots, sizes))
     if longest > model.max_length:
         raise ValueError(f"sequence of {longest} tokens exceeds the model's context of {model.max_length}")
-    return keep
+    return counts
 
 
 class Sequence:

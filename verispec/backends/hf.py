@@ -25,9 +25,10 @@ class HFModel:
 
     @torch.inference_mode()
     def forward_rows(self, slots: list[int], feeds: list[torch.Tensor], last_only: bool = False,
-                     keep: list[int] | None = None) -> list[torch.Tensor]:
-        """feeds[0] [n] long on self.device -> its last keep[0] logits [keep, V] (see Model)."""
-        kept = check_rows(self, slots, feeds, last_only, keep)[0]
+                     logits_for: list[int] | None = None) -> list[torch.Tensor]:
+        """feeds[0] [n] long on self.device -> the logits of its last logits_for[0] tokens [logits_for[0], V] (see
+        Model)."""
+        kept = check_rows(self, slots, feeds, last_only, logits_for)[0]
         tokens, start = feeds[0], self.lengths[0]
         n = tokens.numel()
         positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)

@@ -234,11 +234,12 @@ class LeanBatch:
 
     @torch.inference_mode()
     def forward_rows(self, slots: list[int], feeds: list[torch.Tensor], last_only: bool = False,
-                     keep: list[int] | None = None) -> list[torch.Tensor]:
+                     logits_for: list[int] | None = None) -> list[torch.Tensor]:
         """Append feeds[b] (1-D long, >= 1 token) to slot slots[b]'s cache, all rows in one forward; returns
-        the logits of each row's last keep[b] tokens, [keep_b, V] (default: all of its tokens; last_only: the
-        last one). A row that keeps 0 (a prompt fed in parts) gets [0, V] and costs no LM head."""
-        keep = check_rows(self, slots, feeds, last_only, keep)
+        the logits of each row's last logits_for[b] tokens, [logits_for[b], V] (default: all of its tokens;
+        last_only: the last one). A row with logits_for[b] = 0 (a prompt fed in parts) gets [0, V] and costs no
+        LM head."""
+        logits_for = check_rows(self, slots, feeds, last_only, logits_for)
         lengths = [self.lengths[s] for s in slots]
         sizes = [f.numel() for f in feeds]
         too_long = max(length + size for length, size in zip(lengths, sizes))
@@ -271,14 +272,14 @@ class LeanBatch:
             h = layer(h, cos, sin, keys, values, attend)
         for s, size in zip(slots, sizes):
             self.lengths[s] += size
-        if not sum(keep):
-            return [h.new_empty(0, self.vocab_size) for _ in keep]
+        if not sum(logits_for):
+            return [h.new_empty(0, self.vocab_size) for _ in logits_for]
         flat = h.view(-1, h.shape[-1])
-        if keep != sizes or flat.shape[0] != fed:  # only the kept tokens meet the LM head
-            kept = [start + size - k + j for start, size, k in zip(starts, sizes, keep) for j in range(k)]
+        if logits_for != sizes or flat.shape[0] != fed:  # only the tokens with logits asked for meet the LM head
+            kept = [start + size - k + j for start, size, k in zip(starts, sizes, logits_for) for j in range(k)]
             flat = flat[device_tensor(kept, self.device)]
-        logits = self.net.head(F.rms_norm(flat, flat.shape[-1:], self.net.norm, self.net.eps))  # [sum(keep), V]
-        return list(logits.split(keep))
+        logits = self.net.head(F.rms_norm(flat, flat.shape[-1:], self.net.norm, self.net.eps))  # [sum(logits_for), V]
+        return list(logits.split(logits_for))
 
     @torch.inference_mode()
     def forward_tree(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, base: int,
@@ -310,7 +311,7 @@ class LeanBatch:
         return logits
 
     @torch.inference_mode()
-    def keep(self, slot: int, base: int, rows: list[int]) -> None:
+    def compact(self, slot: int, base: int, rows: list[int]) -> None:
         """Keep, after `base`, only the cached rows base + rows[i] (in that order, rows ascending): the path a
         tree verification accepted moves to base, base + 1, ...; the slot's length becomes base + len(rows)."""
         held = self.lengths[slot] - base

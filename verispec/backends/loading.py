@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from verispec.catalog import KNOWN_MODELS, installed, transformers_dir
 from verispec.names.errors import ModelError
-from verispec.names.models import KNOWN_MODELS, installed, transformers_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

@@ -2,6 +2,7 @@
 or probabilities, every sampling option and penalty applied row by row, each row seeing the drafts before it), the
 rejection sampler over them, the commit of a round's tokens (the round's one device -> host transfer), and the
 log-probabilities reported for committed tokens; and a token tree's rows, each node's row seeing its own path.
+The draft model processes its logits into q with the same `penalty_state` and `processed_rows`.
 A round moves every row's outcome to the host in one transfer (`outcome`, then `commit` on the host values)."""
 
 from __future__ import annotations
@@ -31,17 +32,43 @@ TokenLogprob = tuple[float, list[tuple[int, float]]]
 LOGPROB_FLOOR = -9999.0
 
 
+def penalty_state(
+    seq: TokenSequence, params: SamplingParams, vocab_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What the penalties read of a sequence: which tokens occur in it [V] bool (the repetition penalty) and how
+    often each occurs among its generated tokens [V] int (the presence and frequency penalties); None where no
+    penalty of `params` needs it. The draft and the target start every row from this."""
+    presence = seq.presence(vocab_size) if params.penalised else None
+    counts = token_counts(seq.device_ids[seq.prompt_length :], vocab_size) if params.counted else None
+    return presence, counts
+
+
+def penalty_rows(
+    presence: torch.Tensor | None, counts: torch.Tensor | None, tokens: torch.Tensor, paths: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The penalty state [V] per row of rows that each see more of `tokens` [n] (see presence_rows and
+    count_rows): [n+1, V] each, or one row per path with `paths`; None stays None."""
+    return (None if presence is None else presence_rows(presence, tokens, paths),
+            None if counts is None else count_rows(counts, tokens, paths))
+
+
+def processed_rows(
+    logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None, counts: torch.Tensor | None,
+    position: int,
+) -> torch.Tensor:
+    """Logits [n, V] under a request's processing (see process_logits): argmax ids [n] (greedy) or probs
+    [n, V]. The target's rows for verification and the draft's q come from this one definition."""
+    if params.greedy:
+        return greedy_tokens(process_logits(logits, params, presence, counts, position))
+    return probs_from_logits(logits, params, presence, counts, position)
+
+
 def target_rows(
     logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, seq: TokenSequence
 ) -> torch.Tensor:
-    """Processed target rows [k+1, V]: argmax ids (greedy) or probs p."""
-    presence = None
-    if params.penalised:
-        presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens)
-    counts, position = _row_counts(seq, draft_tokens, params, logits.shape[-1]), seq.new_tokens
-    if params.greedy:
-        return greedy_tokens(process_logits(logits, params, presence, counts, position))  # [k+1]
-    return probs_from_logits(logits, params, presence, counts, position)  # [k+1, V]
+    """Processed target rows [k+1, V]: argmax ids [k+1] (greedy) or probs p [k+1, V]."""
+    presence, counts = penalty_rows(*penalty_state(seq, params, logits.shape[-1]), draft_tokens)
+    return processed_rows(logits, params, presence, counts, seq.new_tokens)
 
 
 def logprob_rows(
@@ -49,8 +76,7 @@ def logprob_rows(
 ) -> torch.Tensor:
     """[k+1, V] log-probabilities of the target's processed distribution (greedy: of its penalised logits,
     at temperature 1, since the one-hot would say nothing)."""
-    presence = presence_rows(seq.presence(logits.shape[-1]), draft_tokens) if params.penalised else None
-    counts = _row_counts(seq, draft_tokens, params, logits.shape[-1])
+    presence, counts = penalty_rows(*penalty_state(seq, params, logits.shape[-1]), draft_tokens)
     return process_logits(logits, params, presence, counts, seq.new_tokens).log_softmax(dim=-1)
 
 
@@ -87,16 +113,6 @@ def commit(
     return committed, accepted
 
 
-def _row_counts(
-    seq: TokenSequence, draft_tokens: torch.Tensor, params: SamplingParams, vocab_size: int
-) -> torch.Tensor | None:
-    """[k+1, V] generated-token counts per verify row (row i: the committed generation plus drafts[:i]),
-    or None when no presence/frequency penalty needs them."""
-    if not params.counted:
-        return None
-    return count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab_size), draft_tokens)
-
-
 def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """TokenLogprob for each row of logp [n, V] and its chosen token."""
     rows = torch.arange(len(tokens), device=logp.device)
@@ -121,12 +137,8 @@ def tree_rows(logits: torch.Tensor, tree: TokenTree, params: SamplingParams, seq
     """The target's processed rows for the root and every node ([m + 1, V] logits in): argmax ids [m + 1]
     (greedy), probs [m + 1, V], or with `log` log-probabilities [m + 1, V] (greedy: of the penalised logits at
     temperature 1). Row i + 1 sees node i's path for the penalties and its depth for min_tokens."""
-    vocab = logits.shape[-1]
     paths = tree.paths()  # row 0, the root's, sees no node
-    presence = presence_rows(seq.presence(vocab), tree.tokens, paths) if params.penalised else None
-    counts = None
-    if params.counted:
-        counts = count_rows(token_counts(seq.device_ids[seq.prompt_length :], vocab), tree.tokens, paths)
+    presence, counts = penalty_rows(*penalty_state(seq, params, logits.shape[-1]), tree.tokens, paths)
     position = seq.new_tokens
     if not params.masks_stops(position):
         return _process(logits, params, presence, counts, position, log)
@@ -152,9 +164,7 @@ def _process(logits: torch.Tensor, params: SamplingParams, presence: torch.Tenso
     if params.masks_stops(position):
         logits = logits.float().clone()
         logits[:, list(params.stop_ids)] = float("-inf")
-    position = max(position, params.min_tokens)
+    position = params.unmasked_from(position)
     if log:
         return process_logits(logits, params, presence, counts, position).log_softmax(dim=-1)
-    if params.greedy:
-        return greedy_tokens(process_logits(logits, params, presence, counts, position))
-    return probs_from_logits(logits, params, presence, counts, position)
+    return processed_rows(logits, params, presence, counts, position)

@@ -15,69 +15,26 @@ the counts and the position are per row: row i sees the context plus the drafts 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from verispec.core.timing import device_tensor
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
-    min_p: float = 0.0  # 0.0: off
-    repetition_penalty: float = 1.0  # 1.0: off
-    seed: int | None = None
-    presence_penalty: float = 0.0  # 0.0: off; subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # 0.0: off; subtracted per occurrence among the generated tokens
-    min_tokens: int = 0  # the stop ids are masked at generated positions below this
-    stop_ids: tuple[int, ...] = ()  # the ids min_tokens masks (the engine adds its EOS and stop ids)
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalised(self) -> bool:
-        return self.repetition_penalty != 1.0
-
-    @property
-    def counted(self) -> bool:
-        """Whether processing needs the generated tokens' counts (presence or frequency penalty)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def masks_stops(self, position: int) -> bool:
-        """Whether rows from generated position `position` on may still have their stop ids masked."""
-        return position < self.min_tokens and bool(self.stop_ids)
+from verispec.names.options import SamplingParams
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
-    """An explicit generator on `device`; the global RNG is never touched."""
+    """An explicit generator on `device` (seed None: a fresh seed); the global RNG is never touched."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
         gen.manual_seed(seed)
     return gen
+
+
+def generator_for(params: SamplingParams, device: torch.device | str) -> torch.Generator:
+    """The generator a generation with these params draws from, on `device`."""
+    return make_generator(params.seed, device)
 
 
 def _seen_rows(tokens: torch.Tensor, rows: int, vocab: int, paths: torch.Tensor | None,

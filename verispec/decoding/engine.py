@@ -42,7 +42,7 @@ import torch
 from verispec.backends.base import Model, TreeModel, common_prefix_length
 from verispec.core.draft import Draft
 from verispec.core.rows import TokenLogprob, commit, outcome, token_logprobs, tree_rows, verify
-from verispec.core.sampling import SamplingParams, make_generator
+from verispec.core.sampling import SamplingParams, generator_for
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import Clock, device_tensor, sync
 from verispec.core.tree import TokenTree, verify_tree
@@ -157,7 +157,7 @@ class SpeculativeGenerator:
         k = 0 if self.drafter is None else resolved.k
         seq = TokenSequence(prompt, len(prompt) + resolved.max_new_tokens + 1, self.device)
         row = Row(resolved, self.k_policy if k == "auto" else FixedK(k), stop, result, seq,
-                  make_generator(resolved.params.seed, self.device), slot,
+                  generator_for(resolved.params, self.device), slot,
                   None if resolved.top_logprobs is None else [])
         keep = min(common_prefix_length(self._held[slot], prompt), len(prompt) - 1, self.target.lengths[slot])
         self.target.rollback(slot, keep)  # the cache keeps what the prompt shares with the slot's last sequence
@@ -346,7 +346,7 @@ class SpeculativeGenerator:
         if not fed:
             return []
         fed.sort(key=lambda f: f[0])  # slot order: the active slots are one range, read as one view
-        out = self.target.forward_rows([f[0] for f in fed], [f[1] for f in fed], keep=[f[2] for f in fed])
+        out = self.target.forward_rows([f[0] for f in fed], [f[1] for f in fed], logits_for=[f[2] for f in fed])
         logits: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
         for (_, _, _, i), row_logits in zip(fed, out):
             if i is not None:
@@ -378,7 +378,7 @@ class SpeculativeGenerator:
             raise ValueError("token trees need a target that verifies trees (the lean path)")
         device, length = seq.device_ids.device, len(seq)
         if target.lengths[slot] < length - 1:
-            target.forward_rows([slot], [seq.device_ids[target.lengths[slot] : length - 1]], keep=[0])
+            target.forward_rows([slot], [seq.device_ids[target.lengths[slot] : length - 1]], logits_for=[0])
         base = length - 1
         positions = device_tensor([base, *(base + d for d in tree.depths)], device)
         visible = torch.cat([torch.ones(len(tree) + 1, 1, dtype=torch.bool, device=device), tree.paths()], dim=1)
@@ -391,7 +391,7 @@ class SpeculativeGenerator:
         if row.logprobs is not None:
             logp = tree_rows(logits, tree, params, seq, log=True)[rows]
             row.logprobs.extend(token_logprobs(logp, committed, row.request.top_logprobs or 0))
-        target.keep(slot, base, rows)
+        target.compact(slot, base, rows)
         seq.extend(committed, device_tensor(committed, device))
         return committed, len(path), path
 

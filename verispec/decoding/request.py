@@ -10,29 +10,29 @@ a batch. The engine knows token ids only: text stop strings ride in the request 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from verispec.core.rows import TokenLogprob
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.stats import SpecStats
 from verispec.names.k import check_k
+from verispec.names.options import MAX_NEW_TOKENS
 
 # stop(generated ids) -> how many generated tokens to keep when a stop string was completed, else None
 StopFn = Callable[[list[int]], "int | None"]
 
-DEFAULT_MAX_NEW_TOKENS = 128  # the engine's; the pipeline's own default is verispec.pipeline's
 
 
 @dataclass(frozen=True, kw_only=True)
 class Request:
     """One generation. `num_draft_tokens`: this generation's k (None: the generator's); `stop`: text stop
     strings (the text layer applies them); `stop_token_ids` end generation like EOS does; `ignore_eos`: EOS
-    does not; params.min_tokens masks whichever ids end it; `logprobs` n >= 0: each token's logprob and the
+    does not; min_tokens (in params) masks whichever ids end it; `logprobs` n >= 0: each token's logprob and the
     n most likely alternatives under the target's processed distribution (None: not computed)."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = MAX_NEW_TOKENS
     num_draft_tokens: int | str | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -57,7 +57,7 @@ def as_request(request: Request | Iterable[int], params: SamplingParams | None =
 
 @dataclass(frozen=True)
 class Resolved:
-    """A checked request as the decoding loop runs it: the prompt, the params with min_tokens' masked ids,
+    """A checked request as the decoding loop runs it: the prompt, the params with the ids their min_tokens masks,
     max_new_tokens within the context, k, the ids that end generation and the logprobs asked for."""
 
     prompt_ids: list[int]
@@ -90,9 +90,7 @@ def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: froz
         raise ValueError(f"logprobs must be >= 0, got {request.logprobs}")
     k = default_k if request.num_draft_tokens is None else check_k(request.num_draft_tokens)
     stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else eos_ids)
-    params = request.params
-    if params.min_tokens:  # min_tokens masks every id that would end generation here
-        params = replace(params, stop_ids=tuple(sorted(stop_ids | set(params.stop_ids))))
+    params = request.params.masking(stop_ids)  # min_tokens masks every id that would end generation here
     max_new_tokens = min(request.max_new_tokens, max_length - len(prompt))
     return Resolved(prompt, params, max_new_tokens, k, stop_ids, request.logprobs)
 

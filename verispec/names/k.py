@@ -21,6 +21,20 @@ def check_k(k: int | str) -> int | str:
     return k
 
 
+def parse_k(text: str) -> int | str:
+    """k from its text form (ValueError saying what was expected), checked as check_k checks it."""
+    text = text.strip()
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer or 'auto', got {text!r}") from None
+    if k < 0:
+        raise ValueError(f"must be >= 0 or 'auto', got {k}")
+    return k
+
+
 @dataclass(frozen=True)
 class Defaults:
     """The drafter and k a target backend gets when the user names neither."""

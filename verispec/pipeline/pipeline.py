@@ -18,12 +18,12 @@ from verispec.core.sampling import SamplingParams
 from verispec.decoding.engine import Generation, SpeculativeGenerator
 from verispec.decoding.request import Committed, Request
 from verispec.names.errors import SpecError
+from verispec.names.options import MAX_NEW_TOKENS, sampling_from
 from verispec.pipeline.completion import Completion
 from verispec.pipeline.provenance import Piece, ProvenanceText
 from verispec.pipeline.slots import Slots, drain
 from verispec.pipeline.text import encode_messages
 
-DEFAULT_MAX_NEW_TOKENS = 256
 # prompt: text, chat messages ({"role", "content"} dicts), token ids, or a [n] / [1, n] tensor of them
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int] | torch.Tensor
 
@@ -113,25 +113,14 @@ def _is_prompt_list(prompt: Any) -> bool:
 
 
 def sampling_settings(generation_config=None, **explicit: Any) -> tuple[SamplingParams, int]:
-    """(SamplingParams, max_new_tokens) from a transformers GenerationConfig (do_sample, temperature, top_p,
-    top_k, min_p, repetition_penalty, max_new_tokens; do_sample false or unset: greedy) overlaid with the
-    keyword arguments that are not None, which win. Unset everywhere: greedy, DEFAULT_MAX_NEW_TOKENS."""
-    settings: dict[str, Any] = {}
+    """(SamplingParams, max_new_tokens) from a transformers GenerationConfig overlaid with the keyword arguments
+    that are not None, which win (verispec.names.options.sampling_from). Unset everywhere: greedy,
+    MAX_NEW_TOKENS."""
     max_new_tokens = explicit.pop("max_new_tokens", None)
-    config = generation_config
-    if config is not None:
-        if getattr(config, "do_sample", False):
-            settings["temperature"] = 1.0 if config.temperature is None else config.temperature
-            settings.update({name: getattr(config, name) for name in ("top_p", "top_k", "min_p")
-                             if getattr(config, name, None) is not None})
-        else:
-            settings["temperature"] = 0.0
-        if getattr(config, "repetition_penalty", None) is not None:
-            settings["repetition_penalty"] = config.repetition_penalty
-        if max_new_tokens is None:
-            max_new_tokens = getattr(config, "max_new_tokens", None)
-    settings.update({name: value for name, value in explicit.items() if value is not None})
-    return SamplingParams(**settings), DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    if max_new_tokens is None and generation_config is not None:
+        max_new_tokens = getattr(generation_config, "max_new_tokens", None)
+    params = sampling_from(explicit, generation_config)
+    return params, MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
 
 
 class TargetView(Protocol):
@@ -187,9 +176,9 @@ class Pipeline:
         return self.target.label
 
     @property
-    def draft_ref(self) -> str | None:
-        """The draft model's reference, as text (None: no draft model)."""
-        return None if self.draft is None else self.draft.label
+    def backend(self) -> str:
+        """The target's backend."""
+        return self.target.backend
 
     @property
     def drafter(self) -> str:
@@ -197,9 +186,9 @@ class Pipeline:
         return "none" if self.draft is None else self.draft.drafter
 
     @property
-    def backend(self) -> str:
-        """The target's backend."""
-        return self.target.backend
+    def draft_ref(self) -> str | None:
+        """The draft model's reference, as text (None: no draft model)."""
+        return self.draft.label if self.draft is not None else None
 
     @property
     def draft_backend(self) -> str | None:
@@ -255,28 +244,13 @@ class Pipeline:
             return items
         raise TypeError("a prompt is text, a list of chat messages ({'role', 'content'} dicts) or token ids")
 
-    def request(
-        self,
-        prompt: Prompt,
-        *,
-        max_new_tokens: int | None = None,
-        stop: Sequence[str] | str = (),
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        k: int | str | None = None,
-        generation_config=None,
-    ) -> Request:
-        """The Request for a prompt and these settings. Sampling: keywords win over `generation_config` (a
-        transformers GenerationConfig), which wins over greedy decoding and max_new_tokens
-        DEFAULT_MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before them). `k`: this
-        generation's draft tokens per round (None: the pipeline's)."""
-        params, max_new = sampling_settings(generation_config, max_new_tokens=max_new_tokens, temperature=temperature,
-                                            top_p=top_p, top_k=top_k, min_p=min_p,
-                                            repetition_penalty=repetition_penalty, seed=seed)
+    def request(self, prompt: Prompt, *, max_new_tokens: int | None = None, stop: Sequence[str] | str = (),
+                k: int | str | None = None, generation_config=None, **sampling: Any) -> Request:
+        """The Request for a prompt and these settings. `sampling`: SamplingParams' options by name (None: unset;
+        verispec.names.options declares them); they win over `generation_config` (a transformers GenerationConfig), which wins over greedy
+        decoding and max_new_tokens MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before
+        them). `k`: this generation's draft tokens per round (None: the pipeline's)."""
+        params, max_new = sampling_settings(generation_config, max_new_tokens=max_new_tokens, **sampling)
         return Request(prompt_ids=self.encode(prompt), params=params, max_new_tokens=max_new, num_draft_tokens=k,
                        stop=stop)
 
@@ -306,10 +280,6 @@ class Pipeline:
             pass
         return stream.result
 
-    def can_batch(self) -> str | None:
-        """Why this pipeline cannot decode a batch, or None when it can."""
-        return self.batch_reason
-
     def batch(self, max_batch: int) -> SpeculativeGenerator:
         """The engine of `max_batch` slots over this pipeline's models (the same weights, caches of its own, the
         same k policy), made on first use and kept (its caches are a llama.cpp context or a padded KV cache); one
@@ -326,7 +296,7 @@ class Pipeline:
         pipeline can batch and more than one is asked for, else one at a time on the pipeline's own engine (`size`
         says which)."""
         _check_max_batch(max_batch)
-        if max_batch > 1 and self.can_batch() is None:
+        if max_batch > 1 and self.batch_reason is None:
             return Slots(self.batch(max_batch), self.tokenizer)
         return Slots(self.generator, self.tokenizer)
 
@@ -335,7 +305,7 @@ class Pipeline:
         """One Completion per prompt, at most `max_batch` sequences decoding together (continuous batching:
         a finished sequence's slot takes the next prompt at once). Sampling keywords as `stream`; each
         sequence gets its own generator (seed: the same seed for each). One at a time where the pipeline
-        cannot batch (`can_batch`). Every prompt is checked before any is generated (ValueError)."""
+        cannot batch (`batch_reason`). Every prompt is checked before any is generated (ValueError)."""
         requests = [self.request(p, stop=stop, k=k, generation_config=generation_config, **settings)
                     for p in prompts]
         slots = self.slots(min(max_batch, len(prompts)) or 1)

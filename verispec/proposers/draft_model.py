@@ -12,16 +12,8 @@ import torch
 from verispec.backends.base import Model, common_prefix_length
 from verispec.backends.quant import PACKED_MAX_ROWS
 from verispec.core.draft import Draft
-from verispec.core.sampling import (
-    SamplingParams,
-    count_rows,
-    greedy_tokens,
-    presence_rows,
-    probs_from_logits,
-    process_logits,
-    sample,
-    token_counts,
-)
+from verispec.core.rows import penalty_state, processed_rows
+from verispec.core.sampling import SamplingParams, count_rows, presence_rows, sample
 from verispec.core.sequence import TokenSequence
 from verispec.names.drafters import Source
 from verispec.proposers.base import DraftRow
@@ -45,10 +37,10 @@ def draft_token(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft token [1] from draft logits [1, V] under the request's processing: the argmax (greedy;
     q None: one-hot) or a sample from q [1, V], which is returned for the rejection sampler."""
+    processed = processed_rows(logits, params, presence, counts, position)  # the argmax [1] (greedy) or q [1, V]
     if params.greedy:
-        return greedy_tokens(process_logits(logits, params, presence, counts, position)), None
-    q = probs_from_logits(logits, params, presence, counts, position)
-    return sample(q, generator), q
+        return processed, None
+    return sample(processed, generator), processed
 
 
 def after_token(
@@ -109,7 +101,7 @@ class DraftModel:
             n = min(n, limit)
         if n <= 0:
             return 0
-        self.model.forward_rows([slot], [seq.device_ids[at : at + n]], keep=[0])
+        self.model.forward_rows([slot], [seq.device_ids[at : at + n]], logits_for=[0])
         self._held[slot] = (seq, self.model.lengths[slot])
         return n
 
@@ -125,10 +117,7 @@ class DraftModel:
                 self.catch_up(slot, seq)
             feeds[i] = seq.device_ids[self.model.lengths[slot] :]  # [1 or 2] committed tokens not yet seen
             self._base[slot] = len(seq)
-            params = self._settings[slot][0]
-            presence = seq.presence(self.vocab_size) if params.penalised else None
-            counts = token_counts(seq.device_ids[seq.prompt_length :], self.vocab_size) if params.counted else None
-            state[i] = (presence, counts, [], [])
+            state[i] = (*penalty_state(seq, self._settings[slot][0], self.vocab_size), [], [])
         step = 0
         while live:
             logits = self._step([rows[i][0] for i in live], [feeds[i] for i in live])

@@ -15,8 +15,6 @@ not depend on the order.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from verispec.backends.base import TreeModel
@@ -53,8 +51,7 @@ class TreeDraftModel(DraftModel):
 
     def _ranking(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
         """The draft's probabilities that rank candidates, [n, V]."""
-        params = replace(self._settings[slot][0], repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                         min_tokens=0)
+        params = self._settings[slot][0].without_penalties()
         if params.greedy:
             return logits.float().softmax(dim=-1)
         return probs_from_logits(logits, params)
@@ -134,7 +131,7 @@ class TreeDraftModel(DraftModel):
             if node is None or node not in fed:
                 break
             rows.append(fed[node])
-        self.model.keep(slot, base, rows)
+        self.model.compact(slot, base, rows)
         self._held[slot] = (seq, self.model.lengths[slot])
 
 

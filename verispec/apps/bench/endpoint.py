@@ -35,6 +35,7 @@ import httpx
 
 from verispec.apps.bench.loader import Prompt, answer_history
 from verispec.apps.bench.measured import Measured
+from verispec.names.options import SamplingParams, to_openai
 
 VLLM_COUNTERS = {"vllm:spec_decode_num_draft_tokens_total": "drafted",
                  "vllm:spec_decode_num_accepted_tokens_total": "accepted",
@@ -250,10 +251,31 @@ def served_model(client: httpx.Client, endpoint: Endpoint) -> str:
 
 def _greedy_answer(client: httpx.Client, endpoint: Endpoint, model: str, prompt: Prompt, max_tokens: int) -> str:
     """The endpoint's greedy answer to a prompt (an earlier turn of a timed conversation; not recorded)."""
-    run = run_prompt(client, endpoint, model, prompt, {"temperature": 0.0}, max_tokens)
+    run = run_prompt(client, endpoint, model, prompt, to_openai(SamplingParams()), max_tokens)
     if not run.ok:
         raise EndpointError(f"{endpoint.name}: answering an earlier turn failed: {run.error}")
     return run.text
+
+
+def _check_names(endpoints: list[Endpoint]) -> None:
+    names = [e.name for e in endpoints]
+    if len(set(names)) != len(names):
+        raise ValueError(f"endpoint names must differ, got {names} (name them NAME=URL)")
+
+
+def _prepare(client: httpx.Client, endpoints: list[Endpoint], prompts: list[Prompt],
+             max_tokens: int) -> tuple[dict[str, str], list[Prompt]]:
+    """Each endpoint's model, and the prompts with their earlier turns answered by the first endpoint."""
+    models = {e.name: served_model(client, e) for e in endpoints}
+    baseline = endpoints[0]
+    prompts = answer_history(prompts, lambda p: _greedy_answer(client, baseline, models[baseline.name], p, max_tokens))
+    return models, prompts
+
+
+def _warm_up(client: httpx.Client, endpoint: Endpoint, model: str, prompts: list[Prompt], sampling: dict,
+             max_tokens: int, warmup: int) -> None:
+    for _ in range(warmup):
+        run_prompt(client, endpoint, model, warmup_prompt(prompts[0]), sampling, max_tokens)
 
 
 def run_endpoints(endpoints: list[Endpoint], prompts: list[Prompt], sampling: dict, max_tokens: int,
@@ -263,18 +285,12 @@ def run_endpoints(endpoints: list[Endpoint], prompts: list[Prompt], sampling: di
     (`warmup` per endpoint, see warmup_prompt) are not recorded. A prompt's earlier turns are answered
     first by the first endpoint (greedy, not recorded), so that every endpoint gets the same conversation.
     Returns the runs and each endpoint's model."""
-    names = [e.name for e in endpoints]
-    if len(set(names)) != len(names):
-        raise ValueError(f"endpoint names must differ, got {names} (name them NAME=URL)")
+    _check_names(endpoints)
     with httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0)) as client:
-        models = {e.name: served_model(client, e) for e in endpoints}
+        models, prompts = _prepare(client, endpoints, prompts, max_tokens)
         counters = {e.name: spec_counters(client, e) is not None for e in endpoints}
-        baseline = endpoints[0]
-        prompts = answer_history(
-            prompts, lambda p: _greedy_answer(client, baseline, models[baseline.name], p, max_tokens))
         for e in endpoints:
-            for _ in range(warmup):
-                run_prompt(client, e, models[e.name], warmup_prompt(prompts[0]), sampling, max_tokens)
+            _warm_up(client, e, models[e.name], prompts, sampling, max_tokens, warmup)
         runs = []
         for i, prompt in enumerate(prompts):
             for j in range(len(endpoints)):
@@ -303,19 +319,13 @@ def run_concurrent(endpoints: list[Endpoint], prompts: list[Prompt], sampling: d
     Earlier turns are answered by the first endpoint (greedy, not recorded), as in run_endpoints."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    names = [e.name for e in endpoints]
-    if len(set(names)) != len(names):
-        raise ValueError(f"endpoint names must differ, got {names} (name them NAME=URL)")
+    _check_names(endpoints)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     runs, walls = [], {}
     with httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
-        models = {e.name: served_model(client, e) for e in endpoints}
-        baseline = endpoints[0]
-        prompts = answer_history(
-            prompts, lambda p: _greedy_answer(client, baseline, models[baseline.name], p, max_tokens))
+        models, prompts = _prepare(client, endpoints, prompts, max_tokens)
         for e in endpoints:
-            for _ in range(warmup):
-                run_prompt(client, e, models[e.name], warmup_prompt(prompts[0]), sampling, max_tokens)
+            _warm_up(client, e, models[e.name], prompts, sampling, max_tokens, warmup)
 
             def one(prompt: Prompt, e: Endpoint = e) -> EndpointRun:
                 run = run_prompt(client, e, models[e.name], prompt, sampling, max_tokens)

@@ -22,6 +22,7 @@ from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
 from verispec.names.drafters import DRAFT_FORWARDS
 from verispec.names.errors import SpecError
+from verispec.names.options import to_llama_cpp, to_transformers
 from verispec.pipeline.pipeline import Pipeline
 from verispec.pipeline.text import encode_messages, encode_prompt
 
@@ -229,13 +230,7 @@ def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int
         kwargs["assistant_model"] = draft_model
     else:
         kwargs["prompt_lookup_num_tokens"] = 10
-    if params.greedy:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    else:
-        kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                      top_k=params.top_k or None, min_p=params.min_p or None)
-    if params.penalised:
-        kwargs["repetition_penalty"] = params.repetition_penalty
+    kwargs.update(to_transformers(params))
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = target.generate(input_ids, **kwargs)
@@ -250,10 +245,7 @@ def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: in
     llm = bench.llama(lookup)
     if len(ids) + max_new > llm.n_ctx():
         raise ValueError(f"a prompt of {len(ids)} tokens + {max_new} new does not fit llama.cpp's n_ctx {llm.n_ctx()}")
-    if params.greedy:
-        sampling = dict(temp=0.0, top_k=1, top_p=1.0, min_p=0.0)
-    else:
-        sampling = dict(temp=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+    sampling = to_llama_cpp(params)
     eos = pipe.generator.eos_token_ids
     llm.reset()  # forget what this Llama believes its context holds (verispec may have used it since)
 
@@ -261,7 +253,7 @@ def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: in
         """The tokens, and when the first came."""
         new: list[int] = []
         first = None
-        for token in llm.generate(prompt, reset=True, repeat_penalty=params.repetition_penalty, **sampling):
+        for token in llm.generate(prompt, reset=True, **sampling):
             new.append(int(token))  # generate(reset=True) keeps the context's prefix it shares with `prompt`
             first = first or time.perf_counter()
             if token in eos or len(new) >= max_new:

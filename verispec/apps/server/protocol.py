@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-INT64 = 1 << 63
+from verispec.names.drafters import DRAFTER_NAMES
+from verispec.names.options import Bounds, SamplingParams, option_defaults, option_types, sampling_options
+
+K_REQUEST_MAX = 32  # the largest num_draft_tokens a request may ask for
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -97,31 +100,41 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields that change nothing are ignored, as OpenAI does."""
+def _option_fields() -> dict:
+    """The library's sampling options as request fields: OpenAI's default and range where the API has the field,
+    the server's limit where it sets one, else the library's (verispec.names.options)."""
+    types = option_types()
+    return {name: (types[name], Field(opt.api_default if opt.api_default is not None else default,
+                                      description=opt.help,
+                                      **(opt.api_bounds or opt.bounds or Bounds()).pydantic()))
+            for (name, opt), default in zip(sampling_options().items(), option_defaults().values())}
+
+
+SamplingOptions = create_model("SamplingOptions", __config__=ConfigDict(extra="ignore", strict=True),
+                               **_option_fields())
+
+
+class SamplingFields(SamplingOptions):
+    """Fields shared by both endpoints: the sampling options (SamplingOptions), the length, stops, streaming
+    and verispec's speculation settings. Unknown fields that change nothing are ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="only n = 1 is supported")
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # extensions (vLLM's names)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    num_draft_tokens: int | None = Field(None, ge=0, le=32)
-    drafter: Literal["model", "ngram", "suffix", "hybrid", "hybrid-suffix", "tree", "none"] | None = None
+    num_draft_tokens: int | None = Field(None, ge=0, le=K_REQUEST_MAX)
+    drafter: Literal[DRAFTER_NAMES + ("none",)] | None = None
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling options as the library's SamplingParams (ValueError: a value it refuses)."""
+        return SamplingParams(**{name: getattr(self, name) for name in sampling_options()})
 
     @field_validator("stop")
     @classmethod
@@ -143,8 +156,8 @@ class SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _min_within_max(self):
         limit = self.requested_max_tokens()
-        if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens ({self.min_tokens}) is larger than max_tokens ({limit})")
+        if limit is not None:
+            self.sampling().check_length(limit, "max_tokens")
         return self
 
     def stop_list(self) -> list[str]:

@@ -1,0 +1,109 @@
+"""Many requests at once on the default backend (llama.cpp, the default target's Q4_K/Q6_K GGUF, whose kernels are
+batch-invariant): each greedy request's tokens are bitwise those it gets alone, whatever arrives beside it and when,
+whatever was cancelled before, and whatever the drafter remembers of earlier answers; through the library's slots
+and through `verispec serve`."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import verispec
+from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.decoding.request import Request
+
+pytestmark = pytest.mark.integration
+
+QUESTIONS = ["Write a Python function that reverses a string.", "What is a closure? Answer in two sentences.",
+             "List the first ten prime numbers.", "Write a haiku about autumn leaves.",
+             "Explain recursion to a child.", "Write a SQL query that counts the rows of a table named users."]
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    from verispec.catalog import installed
+
+    if installed(DEFAULT_TARGET) is None:
+        pytest.fail(f"{DEFAULT_TARGET} is not installed; run `make setup`")
+    suffix = verispec.load(DEFAULT_TARGET, backend="llamacpp")  # the default: suffix drafter, k = auto
+    if suffix.kernels is None or "; batch-invariant" not in suffix.kernels:
+        pytest.skip(f"the kernels here are not batch-invariant: {suffix.kernels}")
+    model = verispec.load(DEFAULT_TARGET, DEFAULT_DRAFT, backend="llamacpp", drafter="model", k=4)
+    return {"suffix": suffix, "model": model}
+
+
+def _request(pipe, question: str) -> Request:
+    return pipe.request([{"role": "user", "content": question}], max_new_tokens=NEW)
+
+
+def _run_schedule(slots, requests: list[Request]) -> tuple[dict[int, list[int]], list[int], int]:
+    """Requests 0 and 1 join first, 2 after two rounds; after five rounds request 1 is cancelled and 3, 4, 5 and
+    request 1 again join as slots free. Returns each finished request's tokens (by index), the cancelled one's
+    partial tokens and the drafts accepted in all."""
+    schedule = [(0, 0), (0, 1), (2, 2), (5, 3), (5, 4), (5, 5), (5, 1)]  # (the round it may join from, request)
+    held, done, cancelled, step, accepted = {}, {}, None, 0, 0
+    while schedule or held:
+        if step == 5 and cancelled is None:
+            slot = next(s for s, i in held.items() if i == 1)
+            cancelled = list(slot.result.token_ids)
+            slots.cancel(slot)
+            del held[slot]
+        while schedule and schedule[0][0] <= step and slots.free:
+            index = schedule.pop(0)[1]
+            held[slots.add(requests[index])] = index
+        for slot, chunk in slots.step():
+            slot.push(chunk)
+        for slot in [s for s in held if s.done]:
+            done[held.pop(slot)] = list(slot.result.token_ids)
+            accepted += slot.result.stats.accepted
+        step += 1
+    return done, cancelled, accepted
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "model"])
+def test_staggered_batched_requests_equal_their_solo_outputs(pipes, drafter):
+    """Six greedy requests through 4 slots, arriving at different rounds, one cancelled part-way and sent again:
+    every answer is bitwise its solo answer, and the cancelled one had committed a prefix of it. The schedule runs
+    twice: the second time the suffix drafter remembers every answer (its drafts change, the tokens do not)."""
+    pipe = pipes[drafter]
+    requests = [_request(pipe, q) for q in QUESTIONS]
+    solo = [pipe.generate(r).token_ids for r in requests]
+    slots = pipe.slots(4)
+    assert slots.size == 4
+    accepted = []
+    for _ in range(2):
+        done, cancelled, n = _run_schedule(slots, requests)
+        assert done == dict(enumerate(solo))
+        assert cancelled and solo[1][: len(cancelled)] == cancelled
+        accepted.append(n)
+    assert accepted[1] > 0  # drafts were verified beside other rows (the suffix drafter: from remembered answers)
+
+
+def test_concurrent_server_answers_equal_lone_answers(pipes):
+    """`verispec serve` on the default backend: four greedy requests sent at once get the answers each gets when
+    it is sent alone (before and after), and /v1/models says the batch's kernels are batch-invariant."""
+    import httpx
+    from server_util import ServerProcess
+
+    server = ServerProcess(["--target", DEFAULT_TARGET, "--backend", "llamacpp", "--max-batch", "4"])
+    try:
+        def ask(question: str) -> str:
+            body = {"model": DEFAULT_TARGET, "messages": [{"role": "user", "content": question}], "max_tokens": NEW,
+                    "temperature": 0}
+            reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["message"]["content"]
+
+        alone = [ask(q) for q in QUESTIONS[:4]]
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, QUESTIONS[:4]))
+        again = [ask(q) for q in QUESTIONS[:4]]
+        assert together == alone == again
+        info = httpx.get(server.url + "/v1/models", timeout=10).json()
+        setup = json.dumps(info)
+        assert "batch-invariant" in setup and "not batch-invariant" not in setup
+    finally:
+        assert server.stop() == 0

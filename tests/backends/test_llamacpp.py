@@ -1,0 +1,428 @@
+"""The llama.cpp backend on a real GGUF (SmolLM2-135M, Q4_1, from the verispec cache): rollback, greedy
+identity (llama.cpp target and/or draft, every drafter), per-position distributions alone and in a batch of
+several sequences sharing one context, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from stats_util import chi2_pvalue
+
+from verispec import SamplingParams
+from verispec.backends import HFModel, Sequence
+from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.decoding.request import Request
+from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer
+
+pytestmark = pytest.mark.integration
+
+NAME = "smollm2-135m-instruct"
+ALPHA = 1e-4
+TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+        "# the same function, with a loop instead of recursion\n")
+
+
+@pytest.fixture(scope="module")
+def paths():
+    from verispec.catalog import installed, to_transformers
+
+    root = installed(NAME)
+    if root is None:
+        pytest.fail(f"{NAME} is not installed; run `make setup` (verispec models pull {NAME})")
+    return root / "model.gguf", to_transformers(NAME)
+
+
+@pytest.fixture(scope="module")
+def llama(paths):
+    from verispec.backends.llamacpp import LlamaCppModel
+
+    return LlamaCppModel(str(paths[0]), n_ctx=1024)
+
+
+@pytest.fixture(scope="module")
+def llama_draft(paths):
+    from verispec.backends.llamacpp import LlamaCppModel
+
+    return LlamaCppModel(str(paths[0]), n_ctx=1024)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(paths):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(paths[1])
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    return tokenizer(TEXT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(paths):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(paths[1], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def noisy_hf(paths):
+    """SmolLM2 with Gaussian noise on its weights: a draft (or target) that agrees with the GGUF often,
+    not always, so both acceptance and recovery are exercised."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(paths[1], dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std())
+    return model
+
+
+def _plain_llama_cpp(llm, ids: list[int], n: int) -> list[int]:
+    """llama-cpp-python's own greedy decoding (its Llama.generate), the reference for identity."""
+    llm.reset()
+    out = []
+    for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
+        out.append(int(token))
+        if len(out) == n:
+            break
+    llm.reset()
+    return out
+
+
+# -- the backend itself --------------------------------------------------------------------------------
+
+
+def test_rollback_then_decode_equals_fresh(llama, prompt):
+    ids = torch.tensor(prompt)
+    llama = Sequence(llama)
+    llama.reset()
+    fresh = llama.forward(ids)
+    assert fresh.shape == (len(prompt), llama.vocab_size) and fresh.dtype == torch.float32
+    llama.rollback(10)
+    assert llama.length == 10
+    again = torch.cat([llama.forward(ids[10:13]), llama.forward(ids[13:])])
+    assert torch.equal(again, fresh[10:])  # same cells, same batch shapes: bitwise equal
+    llama.rollback(len(prompt) - 1)
+    last = llama.forward(ids[-1:], last_only=True)
+    assert torch.equal(last, fresh[-1:])
+    with pytest.raises(ValueError):
+        llama.rollback(llama.length + 1)
+    llama.reset()
+    assert llama.length == 0
+
+
+def test_batched_matches_single_token_decode(llama, prompt):
+    """llama.cpp's batched evaluation (verification) against one token at a time (plain decoding): same
+    argmax on every position; the logits may differ in the last bits (kernel choice by batch size)."""
+    ids = torch.tensor(prompt[:24])
+    llama = Sequence(llama)
+    llama.reset()
+    batched = llama.forward(ids)
+    llama.reset()
+    single = torch.cat([llama.forward(ids[i : i + 1]) for i in range(len(ids))])
+    llama.reset()
+    assert torch.equal(batched.argmax(-1), single.argmax(-1))
+    assert (batched - single).abs().max().item() < 0.05 * single.abs().max().item()
+
+
+def test_bad_input(llama):
+    llama = Sequence(llama)
+    llama.reset()
+    with pytest.raises(ValueError):
+        llama.forward(torch.tensor([llama.vocab_size]))
+    with pytest.raises(ValueError):
+        llama.forward(torch.arange(llama.max_length + 1) % 100)
+    assert llama.length == 0
+
+
+def test_missing_gguf_is_a_clear_error(tmp_path):
+    from verispec.backends.loading import resolve_gguf
+    from verispec.names.errors import ModelError
+
+    with pytest.raises(ModelError, match="GGUF"):
+        resolve_gguf(str(tmp_path))
+
+
+def test_plain_decoding_evaluates_what_llama_cpp_python_does(llama, prompt, monkeypatch):
+    """verispec's plain decoding on llama.cpp makes the same evals as llama-cpp-python's: the whole prompt in
+    one, then one token each, n evals for n tokens (no extra eval of the prompt's last token)."""
+    import llama_cpp
+
+    sizes: list[int] = []
+    original = llama_cpp.llama_cpp.llama_decode
+
+    def counting(ctx, batch):
+        sizes.append(batch.n_tokens)
+        return original(ctx, batch)
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counting)
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_decode", counting)
+    n = 12
+    reference = _plain_llama_cpp(llama.llm, prompt, n)
+    theirs = sizes[:]
+    sizes.clear()
+    llama.reset()
+    ours = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=n).token_ids
+    assert ours == reference
+    assert sizes == theirs == [len(prompt)] + [1] * (n - 1)
+
+
+# -- greedy identity -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["llama", "hf", "ngram", "hybrid"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_llama_target_greedy_identical(llama, llama_draft, hf_model, prompt, drafter, k):
+    """A llama.cpp target with each drafter: the same tokens as plain decoding through the same backend
+    (k = 0) and as llama-cpp-python's own greedy decoding."""
+    n = 40
+    plain = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=n)
+    reference = _plain_llama_cpp(llama.llm, prompt, n)
+    llama.reset()
+    model_drafter = DraftModel(llama_draft if drafter == "llama" else HFModel(hf_model), llama.vocab_size)
+    lookup = LookupDrafter([NgramProposer()])
+    chosen = {"ngram": lookup, "hybrid": HybridDrafter(lookup, model_drafter)}.get(drafter, model_drafter)
+    spec = SpeculativeGenerator(llama, chosen, num_draft_tokens=k).generate(prompt, max_new_tokens=n)
+    assert plain.token_ids == reference
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted > 0
+    if drafter == "llama":  # the draft is the target's own GGUF
+        assert spec.stats.acceptance_rate > 0.9
+
+
+@pytest.mark.parametrize("k", [2, 6])
+def test_llama_draft_hf_target_greedy_identical(llama_draft, hf_model, prompt, k):
+    """Mixed backends: llama.cpp drafts for a transformers target; output = the transformers target's."""
+    target = HFModel(hf_model)
+    plain = SpeculativeGenerator(target).generate(prompt, max_new_tokens=40)
+    drafter = DraftModel(llama_draft, target.vocab_size)
+    spec = SpeculativeGenerator(target, drafter, num_draft_tokens=k).generate(prompt, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.acceptance_rate > 0.5
+
+
+def test_auto_k_on_llama(llama, llama_draft, prompt):
+    drafter = DraftModel(llama_draft, llama.vocab_size)
+    plain = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=40)
+    spec = SpeculativeGenerator(llama, drafter, num_draft_tokens="auto", auto_policy=CostAwareK())
+    spec = spec.generate(prompt, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids
+
+
+# -- distributions -------------------------------------------------------------------------------------
+
+
+def _marginals(model, prompt: list[int], params: SamplingParams, steps: int = 2) -> list[torch.Tensor]:
+    """Exact marginals of the first `steps` (<= 2) tokens under plain sampling from a Model (top-k keeps
+    the enumeration small)."""
+    from verispec.core.sampling import probs_from_logits
+
+    model = Sequence(model)
+    model.reset()
+    p1 = probs_from_logits(model.forward(torch.tensor(prompt), last_only=True), params)[0].double()
+    marginals = [p1]
+    if steps > 1:
+        p2 = torch.zeros_like(p1)
+        for t in p1.nonzero().flatten().tolist():
+            model.rollback(len(prompt))
+            p2 += p1[t] * probs_from_logits(model.forward(torch.tensor([t])), params)[0].double()
+        marginals.append(p2)
+    model.reset()
+    return marginals
+
+
+def _histograms(engine, prompt, params, n, steps=2, seed0=0):
+    counts = torch.zeros(steps, engine.target.vocab_size, dtype=torch.long)
+    for i in range(n):
+        out = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed0 + i}), max_new_tokens=steps)
+        for pos, tok in enumerate(out.token_ids):
+            counts[pos, tok] += 1
+    return counts
+
+
+PARAMS = SamplingParams(temperature=1.0, top_k=8)
+N_GEN = 400  # the draft is far from the target (TV ~0.8): the negative control fails at a glance
+# every generation reaches both positions; top-k 8 leaves 8 categories, so 400 samples resolve TV ~0.1
+
+
+def test_llama_target_marginals(llama, noisy_hf, prompt):
+    """llama.cpp target, noisy transformers draft, T = 1, top-k 8: tokens 1-2 follow the target's exact
+    marginals (N = 400 generations, V = 49,152 pooled by expected count; detects TV >= ~0.1;
+    false-failure probability 2e-4)."""
+    exact = _marginals(llama, prompt, PARAMS)
+    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
+    counts = _histograms(engine, prompt, PARAMS, n=N_GEN)
+    assert 0.2 < engine_acceptance(engine, prompt) < 0.98  # both paths exercised
+    for pos in range(2):
+        assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
+
+
+def test_llama_draft_marginals(llama_draft, noisy_hf, prompt):
+    """Mixed: a llama.cpp draft for a (noisy) transformers target; tokens 1-2 follow the target's marginals."""
+    target = HFModel(noisy_hf)
+    exact = _marginals(target, prompt, PARAMS)
+    engine = SpeculativeGenerator(target, DraftModel(llama_draft, target.vocab_size), num_draft_tokens=2)
+    counts = _histograms(engine, prompt, PARAMS, n=N_GEN, seed0=50_000)
+    for pos in range(2):
+        assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
+
+
+def test_llama_negative_control_fails(llama, noisy_hf, prompt, monkeypatch):
+    """The same test on a verifier that accepts every draft must fail: it emits the draft's marginals."""
+
+    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+        k = draft_tokens.shape[1]
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        return torch.full((draft_tokens.shape[0],), k), bonus
+
+    exact = _marginals(llama, prompt, PARAMS)
+    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
+    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
+    counts = _histograms(engine, prompt, PARAMS, n=N_GEN // 2)
+    assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN // 2) for pos in range(2)) < ALPHA
+
+
+def _batched_histograms(engine, prompt, params, n, steps=2, seed0=0):
+    """The first `steps` tokens of n generations, decoded `engine.max_batch` at a time in one engine (each its own
+    seed), the slots refilled as rows finish."""
+    counts = torch.zeros(steps, engine.target.vocab_size, dtype=torch.long)
+    waiting, rows = list(range(n)), []
+    while waiting or engine.active:
+        while waiting and engine.free_slots:
+            i = waiting.pop()
+            seeded = SamplingParams(**{**params.__dict__, "seed": seed0 + i})
+            rows.append(engine.add(Request(prompt_ids=tuple(prompt), params=seeded, max_new_tokens=steps)))
+        engine.step()
+    for row in rows:
+        for pos, tok in enumerate(row.result.token_ids):
+            counts[pos, tok] += 1
+    return counts
+
+
+def _batch_engine(llama, noisy_hf, slots: int = 4) -> SpeculativeGenerator:
+    from verispec.backends.lean import LeanBatch, LeanNet
+
+    draft = DraftModel(LeanBatch(LeanNet(noisy_hf), slots), llama.vocab_size)
+    return SpeculativeGenerator(llama.with_slots(slots), draft, num_draft_tokens=2)
+
+
+def test_llama_batch_marginals_per_row(llama, noisy_hf, prompt):
+    """Four sequences at a time in one llama.cpp context (a noisy lean draft for each): every row's tokens 1-2
+    follow the target's exact marginals (N = 400 generations; detects TV >= ~0.1; false-failure probability
+    2e-4)."""
+    exact = _marginals(llama, prompt, PARAMS)
+    counts = _batched_histograms(_batch_engine(llama, noisy_hf), prompt, PARAMS, n=N_GEN, seed0=90_000)
+    for pos in range(2):
+        assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
+
+
+def test_llama_batch_negative_control_fails(llama, noisy_hf, prompt, monkeypatch):
+    """The batched test on a verifier that accepts every draft must fail."""
+
+    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+        k = draft_tokens.shape[1]
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        return torch.full((draft_tokens.shape[0],), k), bonus
+
+    exact = _marginals(llama, prompt, PARAMS)
+    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
+    counts = _batched_histograms(_batch_engine(llama, noisy_hf), prompt, PARAMS, n=N_GEN // 2)
+    assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN // 2) for pos in range(2)) < ALPHA
+
+
+def engine_acceptance(engine, prompt) -> float:
+    result = engine.generate(prompt, SamplingParams(temperature=1.0, top_k=8, seed=1), max_new_tokens=64)
+    return result.stats.acceptance_rate
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+def test_cli_generate_llamacpp(capsys):
+    from verispec.apps.cli import main
+
+    common = ["generate", "--target", NAME, "--draft", NAME, "--chat", "--prompt", "What is the capital of France?",
+              "--max-new-tokens", "24", "--json"]
+    assert main([*common, "--backend", "llamacpp"]) == 0
+    spec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*common, "--backend", "llamacpp", "--no-speculation"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert spec["text"] and spec["token_ids"] == plain["token_ids"]  # (Q4_1 on llama.cpp does not say Paris)
+    assert plain["num_draft_tokens"] == 0 and plain["stats"]["target_forwards"] == len(plain["token_ids"])
+    assert spec["backend"] == "llamacpp" and spec["draft_backend"] == "llamacpp"
+    assert spec["num_draft_tokens"] == "auto"  # a fixed k can be slower than plain decoding on llama.cpp
+    assert main([*common, "--backend", "hf", "--draft-backend", "llamacpp", "--dtype", "fp32"]) == 0  # mixed
+    mixed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert mixed["backend"] == "hf" and mixed["draft_backend"] == "llamacpp" and "Paris" in mixed["text"]
+    assert mixed["num_draft_tokens"] == "auto"
+    assert main([*common, "--backend", "llamacpp", "-k", "3"]) == 0  # what the user asks for stands
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_draft_tokens"] == 3
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_cli_bench_compares_llama_cpp_python_on_second_turns(capsys, tmp_path, warm):
+    """`verispec bench --backend llamacpp --compare llama --turn 2` (cold and --warm-history): llama-cpp-python's
+    own plain decoding of the same GGUF gives verispec plain's tokens, and every run measures its first token."""
+    from verispec.apps.cli import main
+
+    mt = tmp_path / "mt.jsonl"
+    mt.write_text("\n".join(json.dumps({"question_id": i, "category": "writing", "turns": turns}) for i, turns in
+                            enumerate([["Name three colours.", "Now three more."], ["Say hi.", "Say bye."]])))
+    args = ["bench", "--target", NAME, "--backend", "llamacpp", "--drafters", "ngram", "-k", "auto", "--compare",
+            "llama", "--prompts", str(mt), "--turn", "2", "--max-new-tokens", "16", "--warmup", "0", "--json"]
+    assert main(args + ["--warm-history"] * warm) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["warm_history"] is warm
+    runs = {(r["prompt_id"], r["config"]): r for r in report["runs"]}
+    for pid in ("0", "1"):
+        theirs = next(r for (p, c), r in runs.items() if p == pid and "llama" in c)
+        assert theirs["identical"] and theirs["new_tokens"] == runs[(pid, "plain")]["new_tokens"]
+        assert all(r["ttft"] and r["ttft"] > 0 for (p, _), r in runs.items() if p == pid)
+
+
+def test_cli_llamacpp_bad_inputs(capsys, tmp_path):
+    from verispec.apps.cli import main
+
+    not_gguf = tmp_path / "empty"
+    not_gguf.mkdir()
+    assert main(["generate", "--target", str(not_gguf), "--backend", "llamacpp", "--no-speculation",
+                 "--prompt", "hi"]) != 0
+    err = capsys.readouterr().err
+    assert "error" in err.lower() and len(err.strip().splitlines()) == 1
+    assert main(["generate", "--target", NAME, "--draft", NAME, "--draft-backend", "llamacpp", "--draft-quant", "int8",
+                 "--prompt", "hi"]) != 0
+    assert "already quantized" in capsys.readouterr().err
+    assert main(["generate", "--target", NAME, "--draft", NAME, "--draft-backend", "llamacpp", "--draft-vocab",
+                 "4096", "--prompt", "hi"]) != 0
+    assert "--draft-backend hf" in capsys.readouterr().err
+
+
+def test_server_on_llamacpp():
+    """`verispec serve --backend llamacpp`: streamed and whole answers agree, bad input gets a 4xx, the
+    server stays up and exits cleanly."""
+    import httpx
+    from server_util import ServerProcess
+
+    server = ServerProcess(["--target", NAME, "--draft", NAME, "--backend", "llamacpp", "--num-draft-tokens", "auto"])
+    try:
+        body = {"model": NAME, "messages": [{"role": "user", "content": "Count from 1 to 10."}], "max_tokens": 24,
+                "temperature": 0}
+        whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+        text = whole["choices"][0]["message"]["content"]
+        assert text and whole["usage"]["completion_tokens"] > 0
+        streamed = ""
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    streamed += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        assert streamed == text
+        bad = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": -1}, timeout=30)
+        assert bad.status_code == 400 and "error" in bad.json()
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        assert server.stop() == 0

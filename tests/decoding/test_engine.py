@@ -1,0 +1,367 @@
+"""The speculative loop on tiny real transformers models: greedy identity, rollback, seeds, distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stats_util import chi2_pvalue
+from tiny import make_engine, perturbed, tiny_qwen2
+
+from verispec import SamplingParams
+from verispec.backends import HFModel, Sequence
+from verispec.core.draft import Draft
+
+ALPHA = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_qwen2(1)
+    return target, perturbed(target, seed=2, noise=0.05)
+
+
+PROMPTS = {"one": [7], "short": [3, 1, 4, 1, 5], "long": list(range(2, 60))}
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+@pytest.mark.parametrize("draft_seed", [2, 5])
+def test_greedy_identical_to_plain(pair, k, prompt, draft_seed):
+    target, _ = pair
+    draft = perturbed(target, seed=draft_seed, noise=0.05 if draft_seed == 2 else 0.3)
+    ids = PROMPTS[prompt]
+    plain = make_engine(target).generate(ids, max_new_tokens=48)
+    spec = make_engine(target, draft, k=k).generate(ids, max_new_tokens=48)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.new_tokens == 48 and spec.finish_reason == "length"
+    assert spec.stats.target_forwards < 48 or spec.stats.acceptance_rate == 0
+    assert spec.stats.drafted > 0
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 9])
+def test_max_new_tokens_edges(pair, max_new):
+    target, draft = pair
+    plain = make_engine(target).generate([1, 2, 3], max_new_tokens=max_new)
+    spec = make_engine(target, draft, k=8).generate([1, 2, 3], max_new_tokens=max_new)
+    assert spec.token_ids == plain.token_ids and len(spec.token_ids) == max_new
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_eos_stops_exactly(pair, k):
+    target, draft = pair
+    plain = make_engine(target).generate([9, 8, 7], max_new_tokens=40).token_ids
+    for pos in (0, 5, 17):  # make the token at `pos` an EOS: generation must end right there
+        eos = plain[pos]
+        first = plain.index(eos)
+        spec = make_engine(target, draft, k=k, eos=[eos]).generate([9, 8, 7], max_new_tokens=40)
+        assert spec.token_ids == plain[: first + 1]
+        assert spec.finish_reason == "stop"
+
+
+def test_draft_equals_target_accepts_everything(pair):
+    target, _ = pair
+    spec = make_engine(target, target, k=5).generate([4, 4, 2], max_new_tokens=40)
+    assert spec.stats.acceptance_rate == 1.0
+    assert spec.stats.mean_accepted_length == 6.0 or spec.stats.rounds * 6 > 40
+
+
+def test_repetition_penalty_greedy_identical(pair):
+    target, draft = pair
+    params = SamplingParams(repetition_penalty=1.5)
+    plain = make_engine(target).generate([1, 2, 3], params, max_new_tokens=40)
+    spec = make_engine(target, draft, k=4).generate([1, 2, 3], params, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids
+    unpenalised = make_engine(target).generate([1, 2, 3], max_new_tokens=40)
+    assert plain.token_ids != unpenalised.token_ids  # the penalty really acted
+
+
+class _Counting:
+    """A one-slot Model that records the number of tokens of every forward call (slots, lengths, rollback, move
+    and reset are the wrapped model's)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward_rows(self, slots, feeds, last_only=False, logits_for=None):
+        assert slots == [0]
+        self.calls.append(feeds[0].numel())
+        return self.model.forward_rows(slots, feeds, last_only, logits_for)
+
+
+@pytest.mark.parametrize("drafter", ["none", "model", "silent"])
+def test_one_target_pass_per_round_prefill_included(pair, drafter):
+    """The first round's one pass feeds the whole prompt and that round's drafts, and the logits at the
+    prompt's last position give the first token, as plain decoders do: plain decoding of n tokens is n target
+    passes (the prompt, then n - 1 single tokens), never n + 1; a first round with k drafts is ONE pass over
+    the prompt + k drafts; k = auto with a drafter that never drafts is plain after its cost-learning rounds."""
+    from verispec.proposers import NgramProposer
+
+    class Silent(NgramProposer):  # an n-gram lookup that never finds a match
+        def propose(self, seq, k):
+            return Draft(seq.device_ids.new_empty(0), None)
+
+    target, draft = pair
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = make_engine(target).generate(prompt, max_new_tokens=12).token_ids
+    engine = make_engine(target, draft if drafter == "model" else None, k=3,
+                         drafter=Silent() if drafter == "silent" else "model")
+    if drafter == "silent":
+        engine.num_draft_tokens = "auto"
+    engine.target = counting = _Counting(engine.target)
+    result = engine.generate(prompt, max_new_tokens=12)
+    assert result.token_ids == plain
+    assert result.stats.target_forwards == len(counting.calls)
+    if drafter == "model":
+        assert counting.calls[0] == len(prompt) + 3  # the prompt and the first round's drafts, in one pass
+        assert counting.calls[1] == 1 + 3  # then the last committed token and the drafts
+        assert result.stats.drafted > 0
+    elif drafter == "silent":  # k = auto: the prompt's pass, a plain pass (t_verify(0)), then one free guess
+        assert counting.calls[:3] == [len(prompt), 1, 2] and set(counting.calls[3:]) == {1}  # (a 2-token pass)
+        assert result.stats.drafted == 1 and result.stats.draft_forwards == 0
+    else:
+        assert counting.calls == [len(prompt)] + [1] * 11
+        assert result.stats.drafted == 0
+
+
+def test_prefix_reuse_still_feeds_the_last_token(pair):
+    """A prompt whose every token is cached already (a repeat) still feeds its last token: its logits are
+    the first round's."""
+    target, _ = pair
+    engine = make_engine(target)
+    first = engine.generate([2, 7, 1, 8, 2, 8], max_new_tokens=6).token_ids
+    engine.target = counting = _Counting(engine.target)
+    again = engine.generate([2, 7, 1, 8, 2, 8], max_new_tokens=6).token_ids
+    assert again == first and counting.calls[0] == 1
+    longer = engine.generate([2, 7, 1, 8, 2, 8] + first[:3], max_new_tokens=3).token_ids
+    assert longer == first[3:6] and counting.calls[6] == 1
+
+
+def test_rollback_then_decode_equals_fresh(pair):
+    target, _ = pair
+    seq = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+    fresh = Sequence(HFModel(target)).forward(seq)
+    m = Sequence(HFModel(target))
+    m.forward(seq[:5])
+    m.forward(torch.tensor([60, 61, 62]))  # rejected drafts
+    m.rollback(5)
+    assert m.length == 5
+    again = m.forward(seq[5:])
+    torch.testing.assert_close(again, fresh[5:], rtol=1e-5, atol=1e-5)
+
+
+def test_seeded_runs_reproduce(pair):
+    target, draft = pair
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    a = make_engine(target, draft, k=3).generate([1, 2], params, max_new_tokens=30)
+    b = make_engine(target, draft, k=3).generate([1, 2], params, max_new_tokens=30)
+    c = make_engine(target, draft, k=3).generate([1, 2], SamplingParams(temperature=1.0, top_p=0.95, seed=99),
+                                                 max_new_tokens=30)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    state = torch.random.get_rng_state()
+    make_engine(target, draft, k=3).generate([1, 2], params, max_new_tokens=5)
+    assert torch.equal(state, torch.random.get_rng_state())  # the global RNG is untouched
+
+
+def test_prefix_reuse_across_generations(pair):
+    """A second generation whose prompt extends the first reuses both caches and still equals a fresh run."""
+    target, draft = pair
+    eng = make_engine(target, draft, k=3)
+    first = eng.generate([1, 2, 3], max_new_tokens=10)
+    prompt2 = [1, 2, 3] + first.token_ids + [40, 41]
+    reused = eng.generate(prompt2, max_new_tokens=20)
+    fresh = make_engine(target).generate(prompt2, max_new_tokens=20)
+    assert reused.token_ids == fresh.token_ids
+    other = eng.generate([50, 51], max_new_tokens=10)  # a prompt with no common prefix
+    assert other.token_ids == make_engine(target).generate([50, 51], max_new_tokens=10).token_ids
+
+
+def test_stop_callback_truncates(pair):
+    target, draft = pair
+    plain = make_engine(target).generate([2, 3], max_new_tokens=30).token_ids
+
+    def stop_after_7(generated):
+        return 7 if len(generated) >= 7 else None
+
+    spec = make_engine(target, draft, k=8).generate([2, 3], max_new_tokens=30, stop=stop_after_7)
+    assert spec.token_ids == plain[:7] and spec.finish_reason == "stop"
+
+
+def test_stream_chunks_concatenate_to_result(pair):
+    target, draft = pair
+    gen = make_engine(target, draft, k=4).stream([1, 2, 3], max_new_tokens=25)
+    chunks = list(gen)
+    assert [t for chunk in chunks for t in chunk] == gen.result.token_ids
+    assert all(1 <= len(c) <= 5 for c in chunks)
+
+
+@pytest.mark.parametrize("stop_at", [None, 7])
+def test_stream_chunks_carry_provenance(pair, stop_at):
+    """Each chunk says how many of its tokens were drafted and accepted; the rest, one per round unless a stop
+    cut the round, the target produced. Over a stream they add up to the accepted count and the tokens."""
+    target, draft = pair
+    stop = (lambda generated: stop_at if len(generated) >= stop_at else None) if stop_at else None
+    gen = make_engine(target, draft, k=4).stream([1, 2, 3], max_new_tokens=25, stop=stop)
+    chunks = list(gen)
+    assert all(0 <= c.accepted <= len(c) and c.target == len(c) - c.accepted for c in chunks)
+    assert all(c.target == 1 for c in chunks[:-1]) and chunks[-1].target <= 1
+    assert sum(c.accepted for c in chunks) == gen.result.stats.accepted
+    assert sum(c.accepted + c.target for c in chunks) == len(gen.result.token_ids)
+    assert sum(c.accepted for c in chunks) > 0  # the perturbed draft is accepted often
+
+
+def test_draft_with_wider_logits_is_exact(pair):
+    """A draft whose logit width differs from the target's (padded vocabularies) stays lossless."""
+    target, _ = pair
+    small = tiny_qwen2(3, vocab_size=80)
+    plain = make_engine(target).generate([1, 2, 3], max_new_tokens=20)
+    spec = make_engine(target, small, k=3).generate([1, 2, 3], max_new_tokens=20)
+    assert spec.token_ids == plain.token_ids
+    sampled = make_engine(target, small, k=3).generate([1, 2, 3], SamplingParams(temperature=1.0, seed=0),
+                                                       max_new_tokens=20)
+    assert len(sampled.token_ids) == 20
+
+
+def test_align_vocab():
+    from verispec.proposers.draft_model import align_vocab
+
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    assert align_vocab(logits, 2).tolist() == [[1.0, 2.0]]
+    padded = align_vocab(logits, 5)
+    assert padded[0, :3].tolist() == [1.0, 2.0, 3.0] and torch.isinf(padded[0, 3:]).all()
+    assert padded.softmax(-1)[0, 3:].sum() == 0  # q = 0 where the draft has no logit
+
+
+def test_bad_arguments(pair):
+    target, draft = pair
+    eng = make_engine(target, draft)
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([], max_new_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate([1], max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="context"):
+        eng.generate([1] * 4100, max_new_tokens=3)
+    with pytest.raises(ValueError, match="out of range"):
+        eng.generate([1, 64], max_new_tokens=3)
+
+
+# -- the emitted distribution through the whole loop ----------------------------------------------
+
+
+def _exact_marginals(model, prompt: list[int], params: SamplingParams, steps: int) -> list[torch.Tensor]:
+    """Marginal distribution of each of the first `steps` tokens under plain sampling, by enumeration."""
+    from verispec.core.sampling import probs_from_logits
+
+    V = model.config.vocab_size
+    seqs = torch.tensor([prompt])  # [S, L]
+    weights = torch.ones(1, dtype=torch.float64)
+    marginals = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(input_ids=seqs).logits[:, -1]  # [S, V]
+        probs = probs_from_logits(logits, params).double()  # [S, V]
+        joint = weights[:, None] * probs
+        marginals.append(joint.sum(0))
+        seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)
+        weights = joint.reshape(-1)
+    return marginals
+
+
+def _engine_histograms(target, draft, params, n, k, steps, seed0):
+    V = target.config.vocab_size
+    counts = torch.zeros(steps, V, dtype=torch.long)
+    eng = make_engine(target, draft, k=k)
+    for i in range(n):
+        out = eng.generate([3, 1, 2], SamplingParams(**{**params.__dict__, "seed": seed0 + i}), max_new_tokens=steps)
+        for pos, tok in enumerate(out.token_ids):
+            counts[pos, tok] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    target = tiny_qwen2(11, vocab_size=8, hidden=32, init=0.5)
+    return target, perturbed(target, seed=12, noise=0.5)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5)],
+                         ids=["temperature", "top_k"])
+def test_loop_marginals_match_target(small_vocab_pair, params):
+    """Tokens 1-3 of speculative generations (k = 2: two draft positions, then bonus or next round)
+    follow the target's exact marginals. V = 8, N = 3000 generations: detects TV >= ~0.05 with high
+    power; the per-position TV ~ 0.01 resolution lives in test_verify. False-failure probability:
+    3 positions x ALPHA = 3e-4."""
+    target, draft = small_vocab_pair
+    steps = 3
+    exact = _exact_marginals(target, [3, 1, 2], params, steps)
+    counts = _engine_histograms(target, draft, params, n=3000, k=2, steps=steps, seed0=0)
+    for pos in range(steps):
+        assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
+
+
+def test_loop_marginals_with_cost_learning_rounds(small_vocab_pair):
+    """k = auto from a fresh policy every generation: two plain rounds (the first one's pass feeds the prompt),
+    a round that verifies a free guess (a filler round, q one-hot), the draft's timed step (reported as free
+    here, so that it drafts), then model drafts. Tokens 1-5 follow the target's exact marginals (N = 3000, V = 8; false-failure probability 5e-4)."""
+    from verispec.decoding.policies.cost_aware import CostAwareK
+
+    target, draft = small_vocab_pair
+    params, steps = SamplingParams(temperature=1.0), 5
+    exact = _exact_marginals(target, [3, 1, 2], params, steps)
+    counts = torch.zeros(steps, 8, dtype=torch.long)
+    eng = make_engine(target, draft, k="auto")
+    timed = eng._time_draft_step
+    eng._time_draft_step = lambda row: timed(row) and 1e-9
+    learned = drafted = 0
+    for i in range(3000):
+        eng.k_policy = CostAwareK(k_max=4)
+        out = eng.generate([3, 1, 2], SamplingParams(temperature=1.0, seed=20_000 + i), max_new_tokens=steps + 2)
+        learned += eng.k_policy.by_source["model"].costs.t_draft is not None
+        drafted += out.stats.draft_forwards > 0
+        for pos, tok in enumerate(out.token_ids[:steps]):
+            counts[pos, tok] += 1
+    assert learned == 3000 and drafted > 2000  # the rounds after the filler drafted with the model
+    for pos in range(steps):
+        assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
+
+
+def test_loop_negative_control_fails(small_vocab_pair, monkeypatch):
+    """The same test on a loop whose verifier accepts every draft must fail (emits q's marginals)."""
+    target, draft = small_vocab_pair
+    params = SamplingParams(temperature=1.0)
+
+    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+        k = draft_tokens.shape[1]
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        return torch.full((draft_tokens.shape[0],), k), bonus
+
+    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
+    exact = _exact_marginals(target, [3, 1, 2], params, 2)
+    counts = _engine_histograms(target, draft, params, n=3000, k=2, steps=2, seed0=0)
+    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(2)) < ALPHA
+
+
+# -- a quantised draft: only acceptance may change, never the output --------------------------------
+
+
+def _quantized(model, mode):
+    import copy
+
+    from verispec.backends.quant import quantize_model
+
+    return quantize_model(copy.deepcopy(model), mode)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_quantized_draft_greedy_identical(pair, k, mode):
+    target, draft = pair
+    q = _quantized(draft, mode)
+    plain = make_engine(target).generate([3, 1, 4], max_new_tokens=40)
+    spec = make_engine(target, q, k=k).generate([3, 1, 4], max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0

@@ -1,0 +1,26 @@
+"""How a command fails: the exit statuses, the two errors a command raises on purpose, and any exception as
+the one line `verispec: error: ...` shows."""
+
+from __future__ import annotations
+
+from verispec.names.errors import ModelError
+
+EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class UsageError(ValueError):
+    """The command line asks for something invalid (exit status 2)."""
+
+
+class CommandError(RuntimeError):
+    """The command failed while running (exit status 1); the message says why."""
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: its message's first line, after its type unless it is one of ours (a bad
+    value, a model problem, a command failure), whose messages are written for users."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if isinstance(exc, (ValueError, ModelError, CommandError)) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,83 @@
+"""`verispec generate`: one prompt's completion, streamed as text (coloured by provenance on a terminal) or
+printed as one JSON object with the run's settings and acceptance statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from verispec.apps.cli.args import _add_generation_args, _color, _command, _pipeline, _settings
+from verispec.apps.cli.errors import CommandError, UsageError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    g = _command(sub, "generate", "generate text for one prompt")
+    g.add_argument("--prompt", required=True, help="the prompt; - reads it from standard input (less one final "
+                                                   "newline)")
+    g.add_argument("--chat", action="store_true", help="apply the chat template (the prompt is a user message)")
+    g.add_argument("--system", help="system message (implies --chat) (default: none)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_generation_args(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def _prompt_text(prompt: str) -> str:
+    """--prompt's text; '-' reads standard input (less one final newline, which `echo` adds)."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read()
+    text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise UsageError("--prompt -: standard input is empty")
+    return text
+
+
+def cmd_generate(args) -> int:
+    from verispec.apps.repl import LEGEND, TokenWriter
+    from verispec.decoding.request import Request
+    from verispec.pipeline.text import encode_prompt
+
+    params = _settings(args)
+    prompt = _prompt_text(args.prompt)
+    pipe = _pipeline(args)
+    # a system message is part of a chat template: --system implies --chat
+    prompt_ids = encode_prompt(pipe.tokenizer, prompt, args.chat or args.system is not None, args.system)
+    color = _color(args) and not args.json
+    out = TokenWriter(sys.stdout, color)
+    if color:
+        print(LEGEND, file=sys.stderr, flush=True)
+    try:
+        stream = pipe.stream(Request(prompt_ids=prompt_ids, params=params, max_new_tokens=args.max_new_tokens,
+                                     stop=args.stop))
+        for piece in stream.pieces():
+            if not args.json:
+                out.write(piece)
+    except ValueError as exc:  # the engine refusing this prompt (e.g. too long for the context) is a failure
+        raise CommandError(f"generation failed: {exc}") from exc
+    result = stream.result
+    if args.json:
+        print(json.dumps({
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": len(prompt_ids),
+            "target": pipe.target_ref,
+            "draft": pipe.draft_ref,
+            "drafter": pipe.drafter,
+            "num_draft_tokens": pipe.k,
+            "k": pipe.k,
+            "backend": pipe.backend,
+            "dtype": pipe.dtype,
+            "reason": pipe.reason,
+            "kernels": pipe.kernels,
+            "draft_backend": pipe.draft_backend,
+            "draft_quant": pipe.draft_quant,
+            "draft_forward": pipe.draft_forward,
+            "load_seconds": pipe.load_seconds,
+            "stats": result.stats.to_dict(),
+        }))
+    else:
+        out.text("\n")
+        print(result.stats.summary(), file=sys.stderr)
+    return 0

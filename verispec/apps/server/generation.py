@@ -1,0 +1,92 @@
+"""From an OpenAI request to what the library runs: the prompt's token ids (the chat template or the tokenizer)
+and one verispec Request. Each refusal is an APIError (a 4xx) naming the field at fault. The prompt functions
+run on the tokenizing thread; `generation_request` on the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from verispec.apps.server.app import APIError
+from verispec.apps.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from verispec.core.sampling import SamplingParams
+from verispec.decoding.request import Request
+from verispec.pipeline.text import encode_messages
+
+if TYPE_CHECKING:
+    from verispec.apps.server.app import ServerSettings, ServerState
+
+
+def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
+    try:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        return encode_messages(tokenizer, messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from None
+    except Exception as exc:  # a chat template that rejects this conversation (e.g. role order)
+        raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
+
+
+def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
+    if not req.prompt:
+        raise APIError(400, "the prompt is empty", "prompt")
+    prompt_ids = list(tokenizer(req.prompt).input_ids)
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty after tokenisation", "prompt")
+    return prompt_ids
+
+
+def max_new_tokens(req: SamplingFields, n_prompt: int, settings: ServerSettings, n_ctx: int) -> int:
+    """The request's max_tokens, checked against the cap and the context (vLLM's rule: prompt plus
+    completion must fit); unasked, the default clipped to what the context has left."""
+    if n_prompt > settings.max_prompt_tokens or n_prompt >= n_ctx:
+        limit = min(settings.max_prompt_tokens, n_ctx - 1)
+        prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        raise APIError(400, f"This model's maximum context length is {n_ctx} tokens and prompts may have at most "
+                            f"{limit} tokens; your prompt has {n_prompt} tokens.", prompt_param,
+                       "context_length_exceeded")
+    asked = req.requested_max_tokens()
+    if asked is None:
+        return min(settings.default_max_tokens, n_ctx - n_prompt)
+    if asked > settings.max_tokens_cap:
+        raise APIError(400, f"max_tokens is {asked}; the limit is {settings.max_tokens_cap}", "max_tokens")
+    if n_prompt + asked > n_ctx:
+        raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                            f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} for the completion). "
+                            f"Please reduce the length of the prompt or completion.", "max_tokens",
+                       "context_length_exceeded")
+    return asked
+
+
+def sampling_params(req: SamplingFields) -> SamplingParams:
+    """The request's sampling options; a value the library refuses is a 400."""
+    try:
+        return req.sampling()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def generation_request(req: SamplingFields, prompt_ids: list[int], state: ServerState) -> Request:
+    """The library's Request for an OpenAI request whose prompt is `prompt_ids`, after the checks only the
+    server can make: the model's name, the length against the context, the drafter, the stop ids against the
+    vocabulary, no logprobs while streaming. k: none for drafter "none", else the request's or the server's."""
+    settings, pipeline = state.settings, state.pipeline
+    if req.model not in settings.model_names:
+        raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
+                            f"{', '.join(settings.model_names)}", "model", "model_not_found")
+    max_tokens = max_new_tokens(req, len(prompt_ids), settings, state.n_ctx)
+    if req.drafter not in (None, "none") and req.drafter != pipeline.drafter:
+        raise APIError(400, f"this server drafts with '{pipeline.drafter}'; ask for that or 'none'", "drafter")
+    stop_ids = tuple(req.stop_token_ids or ())
+    if any(t >= state.vocab_size for t in stop_ids):
+        raise APIError(400, f"a stop token id is outside the vocabulary of {state.vocab_size}", "stop_token_ids")
+    logprobs = req.logprobs_count()
+    if logprobs is not None and req.stream:
+        raise APIError(400, "logprobs are not supported when streaming", "logprobs")
+    k = 0 if req.drafter == "none" else req.num_draft_tokens
+    if k is None:
+        k = pipeline.k if state.speculative else 0
+    return Request(prompt_ids=prompt_ids, params=sampling_params(req), max_new_tokens=max_tokens,
+                   num_draft_tokens=k, stop=req.stop_list(), stop_token_ids=stop_ids,
+                   ignore_eos=req.ignore_eos, logprobs=logprobs)

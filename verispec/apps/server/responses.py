@@ -1,0 +1,127 @@
+"""The bodies the server answers with, in OpenAI's shapes plus the "verispec" extension fields (described in
+verispec.apps.server.app): a whole completion, the chunks of a stream as server-sent events, usage, the
+generation's stats and OpenAI's logprobs objects. Pure functions of a finished or streaming generation: no
+worker, no request, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from verispec.apps.server.protocol import error_body
+from verispec.pipeline.pipeline import Completion
+from verispec.pipeline.provenance import Piece
+
+DONE = "data: [DONE]\n\n"  # the event that ends every stream
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every body of one answer shares: its id, when it was created, the model asked for, and whether it
+    answers /v1/chat/completions (chat) or /v1/completions."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+    @classmethod
+    def new(cls, model: str, chat: bool) -> Reply:
+        return cls(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), model, chat)
+
+
+def usage(n_prompt: int, result: Completion) -> dict:
+    n_new = len(result.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+
+
+def spec(result: Completion) -> dict:
+    """The generation's speculation stats (the "verispec" field of a completion and of a stream's last chunks)."""
+    s = result.stats
+    return {"acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
+            "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
+            "tokens_per_second": s.tokens_per_second}
+
+
+def logprobs(result: Completion, chat: bool, tokenizer) -> dict | None:
+    """OpenAI's logprobs object from the target's processed distribution at each generated position."""
+    if result.logprobs is None:
+        return None
+
+    def token_text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    entries = list(zip(result.token_ids, result.logprobs))
+    if chat:
+        def item(token: int, logprob: float) -> dict:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [item(t, lp) | {"top_logprobs": [item(a, alp) for a, alp in top]}
+                            for t, (lp, top) in entries]}
+    tokens = [token_text(t) for t, _ in entries]
+    offsets = [0]
+    for text in tokens[:-1]:
+        offsets.append(offsets[-1] + len(text))
+    return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
+            "top_logprobs": [{token_text(a): alp for a, alp in top} for _, (_, top) in entries],
+            "text_offset": offsets}
+
+
+def completion_body(reply: Reply, text: str, result: Completion, n_prompt: int, tokenizer) -> dict:
+    """The whole answer of a request that did not stream."""
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if reply.chat
+              else {"index": 0, "text": text})
+    choice["logprobs"] = logprobs(result, reply.chat, tokenizer)
+    choice["finish_reason"] = result.finish_reason
+    return {"id": reply.id, "object": "chat.completion" if reply.chat else "text_completion",
+            "created": reply.created, "model": reply.model, "choices": [choice], "usage": usage(n_prompt, result),
+            "verispec": spec(result)}
+
+
+def _chunk_object(reply: Reply) -> str:
+    return "chat.completion.chunk" if reply.chat else "text_completion"
+
+
+def chunk(reply: Reply, include_usage: bool, piece: Piece | None = None, finish: str | None = None,
+          first: bool = False) -> dict:
+    """One streamed chunk: the chat stream's opening role (first), a piece of text with its tokens' provenance,
+    or (piece None) an empty delta with the finish reason."""
+    delta = None if piece is None else piece.text
+    if reply.chat:
+        d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta is not None else {})
+        choice = {"index": 0, "delta": d, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+    body = {"id": reply.id, "object": _chunk_object(reply), "created": reply.created, "model": reply.model,
+            "choices": [choice]}
+    if include_usage:
+        body["usage"] = None
+    if piece is not None:
+        body["verispec"] = {"accepted": piece.accepted, "target": piece.target,
+                            "spans": [list(span) for span in piece.spans]}
+    return body
+
+
+def final_chunk(reply: Reply, include_usage: bool, result: Completion) -> dict:
+    """The chunk that ends the generation: its finish reason and stats."""
+    return chunk(reply, include_usage, finish=result.finish_reason) | {"verispec": spec(result)}
+
+
+def usage_chunk(reply: Reply, n_prompt: int, result: Completion) -> dict:
+    """The chunk stream_options.include_usage asks for: no choices, the usage and the stats."""
+    return {"id": reply.id, "object": _chunk_object(reply), "created": reply.created, "model": reply.model,
+            "choices": [], "usage": usage(n_prompt, result), "verispec": spec(result)}
+
+
+def error_event(message: str) -> str:
+    """A failure after the stream began (its status is already sent): an error body as the last event."""
+    return event(error_body(message, "server_error"))
+
+
+def event(body: dict) -> str:
+    """A server-sent event carrying `body`."""
+    return f"data: {json.dumps(body)}\n\n"

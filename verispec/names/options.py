@@ -1,0 +1,242 @@
+"""The sampling options, declared once: `SamplingParams` is their declaration (name, type, default, range, help,
+and what each is called by the APIs verispec speaks to), and everything else derives from it: the command line's
+flags, the server's request fields (with OpenAI's defaults where the API has them), `Pipeline.request`'s
+keywords, a GenerationConfig's reading, the reference runs of the bench and its report. The processing that
+gives these options their meaning is verispec.core.sampling. Also declared here: the per-front-end defaults of
+max_new_tokens.
+
+Torch-free: building the command line's parser loads no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, get_type_hints
+
+# max_new_tokens where a caller asks for none, per front end
+MAX_NEW_TOKENS = 256  # the library (Pipeline, Request) and `verispec generate` / `chat`
+BENCH_MAX_NEW_TOKENS = 128  # `verispec bench`: every prompt of a set, each configuration, in one run
+SERVER_MAX_TOKENS = 512  # `verispec serve`: OpenAI's API has no default for max_tokens; the server's own
+
+INT64 = 1 << 63
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A closed or open interval (None: unbounded on that side), finite numbers only."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return ((isinstance(value, int) or math.isfinite(value)) and (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def text(self, integer: bool = False) -> str:
+        """The interval in words, for an integer option or a real one."""
+        parts = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                 if bound is not None]
+        return ("an integer" if integer else "a finite number") + (f" {' and '.join(parts)}" if parts else "")
+
+    def pydantic(self) -> dict[str, float]:
+        """The bounds as pydantic Field constraints."""
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one sampling option is checked, shown and spoken of elsewhere. `bounds`: the values the library takes
+    (None: any, as for a seed). `api_default` / `api_bounds`: the server's field where it differs (OpenAI's
+    default and range, or the server's own limit). `openai`: a field of OpenAI's API (else an extension
+    named as vLLM names it, which the server accepts and `to_openai` refuses to send). `transformers` / `llama_cpp`: the name of the
+    same setting in transformers' generate and llama-cpp-python's generate (None: they have none)."""
+
+    help: str
+    bounds: Bounds | None = Bounds()
+    api_default: Any = None
+    api_bounds: Bounds | None = None
+    openai: bool = False
+    transformers: str | None = None
+    llama_cpp: str | None = None
+
+
+def option(default: Any, help: str, **how: Any) -> Any:
+    return field(default=default, metadata={"option": Option(help, **how)})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the target's logits (and the draft's, by the same processing).
+    Temperature 0 is greedy decoding; every filter and penalty at its default is off."""
+
+    temperature: float = option(0.0, "sampling temperature; 0 = greedy", bounds=Bounds(ge=0), api_default=1.0,
+                                api_bounds=Bounds(ge=0, le=2), openai=True, transformers="temperature",
+                                llama_cpp="temp")
+    top_k: int = option(0, "sample among the K likeliest tokens; 0 = all", bounds=Bounds(ge=0),
+                        transformers="top_k", llama_cpp="top_k")
+    top_p: float = option(1.0, "sample among the likeliest tokens whose probabilities sum to P; 1 = all",
+                          bounds=Bounds(gt=0, le=1), openai=True, transformers="top_p", llama_cpp="top_p")
+    min_p: float = option(0.0, "drop tokens less likely than MIN_P times the likeliest one; 0 = none",
+                          bounds=Bounds(ge=0, le=1), transformers="min_p", llama_cpp="min_p")
+    repetition_penalty: float = option(1.0, "penalise tokens already in the prompt or output (CTRL's penalty; > 1 "
+                                            "penalises); 1 = none", bounds=Bounds(gt=0),
+                                       api_bounds=Bounds(gt=0, le=10), transformers="repetition_penalty",
+                                       llama_cpp="repeat_penalty")
+    seed: int | None = option(None, "random seed for sampling (default: a fresh one each run)", bounds=None,
+                              api_bounds=Bounds(ge=-INT64, lt=INT64), openai=True)
+    presence_penalty: float = option(0.0, "subtract this from the logit of every token already generated "
+                                          "(OpenAI's penalty; the prompt's tokens are not counted); 0 = none",
+                                     api_bounds=Bounds(ge=-2, le=2), openai=True)
+    frequency_penalty: float = option(0.0, "subtract this times its count from the logit of every token already "
+                                           "generated (OpenAI's penalty); 0 = none",
+                                      api_bounds=Bounds(ge=-2, le=2), openai=True)
+    min_tokens: int = option(0, "generate at least this many tokens: EOS and the stop token ids cannot end "
+                                "generation before", bounds=Bounds(ge=0))
+    stop_ids: tuple[int, ...] = ()  # the ids min_tokens masks (the engine adds its EOS and stop ids): not an option
+
+    def __post_init__(self) -> None:
+        for name, f in _fields().items():
+            value, bounds = getattr(self, name), f.metadata["option"].bounds
+            if bounds is not None and not bounds.holds(value):
+                raise ValueError(f"{name} must be {bounds.text(isinstance(f.default, int))}, got {value}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def counted(self) -> bool:
+        """Whether processing needs the generated tokens' counts (presence or frequency penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def masks_stops(self, position: int) -> bool:
+        """Whether rows from generated position `position` on may still have their stop ids masked."""
+        return position < self.min_tokens and bool(self.stop_ids)
+
+    def unmasked_from(self, position: int) -> int:
+        """The first generated position, from `position` on, where no stop id is masked."""
+        return max(position, self.min_tokens)
+
+    def masking(self, stop_ids: frozenset[int]) -> SamplingParams:
+        """These params with min_tokens masking `stop_ids` too (themselves when min_tokens is 0)."""
+        if not self.min_tokens:
+            return self
+        return replace(self, stop_ids=tuple(sorted(stop_ids | set(self.stop_ids))))
+
+    def check_length(self, max_new_tokens: int, name: str = "max_new_tokens") -> None:
+        """ValueError when min_tokens asks for more tokens than `max_new_tokens` allows."""
+        if self.min_tokens > max_new_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is larger than {name} ({max_new_tokens})")
+
+    def without_penalties(self) -> SamplingParams:
+        """These params without the penalties and min_tokens (temperature, the filters and the seed kept)."""
+        return replace(self, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0)
+
+    def changed(self) -> dict[str, Any]:
+        """The options set away from their defaults."""
+        return {name: getattr(self, name) for name, f in _fields().items() if getattr(self, name) != f.default}
+
+    def describe(self) -> str:
+        """One line for a report: 'greedy', or the options that differ from their defaults."""
+        changed = self.changed()
+        if self.greedy:
+            changed.pop("temperature", None)
+            return " ".join(["greedy", *(f"{name}={value}" for name, value in changed.items())])
+        return " ".join(f"{name}={value}" for name, value in changed.items())
+
+
+def _fields() -> dict[str, Any]:
+    return {f.name: f for f in fields(SamplingParams) if "option" in f.metadata}
+
+
+def sampling_options() -> dict[str, Option]:
+    """Each sampling option's declaration, by name, in declaration order."""
+    return {name: f.metadata["option"] for name, f in _fields().items()}
+
+
+def option_defaults() -> dict[str, Any]:
+    """Each sampling option's default (the library's)."""
+    return {name: f.default for name, f in _fields().items()}
+
+
+def option_types() -> dict[str, Any]:
+    """Each sampling option's type (float, int, int | None)."""
+    hints = get_type_hints(SamplingParams)
+    return {name: hints[name] for name in _fields()}
+
+
+def sampling_from(settings: Mapping[str, Any], generation_config=None) -> SamplingParams:
+    """SamplingParams from a transformers GenerationConfig (do_sample false or unset: greedy; otherwise its
+    temperature, filters and repetition penalty) overlaid with `settings`' values that are not None, which win.
+    An unknown name is a TypeError, a value out of range a ValueError."""
+    unknown = sorted(set(settings) - set(_fields()))
+    if unknown:
+        raise TypeError(f"unknown sampling option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} (known: "
+                        f"{', '.join(_fields())})")
+    values: dict[str, Any] = {}
+    config = generation_config
+    if config is not None:
+        sampled = bool(getattr(config, "do_sample", False))
+        for name, opt in sampling_options().items():
+            value = None if opt.transformers is None else getattr(config, opt.transformers, None)
+            if name == "temperature":
+                values[name] = (1.0 if value is None else value) if sampled else 0.0
+            elif value is not None and (sampled or name == "repetition_penalty"):
+                values[name] = value
+    values.update({name: value for name, value in settings.items() if value is not None})
+    return SamplingParams(**values)
+
+
+def _unsupported(params: SamplingParams, names: set[str], engine: str) -> None:
+    refused = sorted(set(params.changed()) - names - {"seed"})
+    if refused:
+        raise ValueError(f"{', '.join(refused)}: {engine} has no such setting")
+
+
+def to_transformers(params: SamplingParams) -> dict[str, Any]:
+    """transformers' generate keywords for these params (greedy: do_sample off); ValueError for an option it
+    lacks. A seed is not a generate keyword (transformers samples from torch's global generator)."""
+    opts = sampling_options()
+    _unsupported(params, {name for name, opt in opts.items() if opt.transformers}, "transformers' generate")
+    if params.greedy:
+        kwargs: dict[str, Any] = {opt.transformers: None for name, opt in opts.items()
+                                  if opt.transformers and name not in ("repetition_penalty", "min_p")}
+        kwargs["do_sample"] = False
+    else:
+        kwargs = {"do_sample": True}
+        kwargs.update({opt.transformers: getattr(params, name) or None for name, opt in opts.items()
+                       if opt.transformers and name != "repetition_penalty"})
+        kwargs[opts["temperature"].transformers] = params.temperature
+    if params.penalised:
+        kwargs[opts["repetition_penalty"].transformers] = params.repetition_penalty
+    return kwargs
+
+
+def to_llama_cpp(params: SamplingParams) -> dict[str, Any]:
+    """llama-cpp-python's generate keywords for these params (greedy: temperature 0 and top-k 1); ValueError
+    for an option it lacks."""
+    opts = sampling_options()
+    _unsupported(params, {name for name, opt in opts.items() if opt.llama_cpp}, "llama-cpp-python's generate")
+    chosen = replace(params, top_k=1, top_p=1.0, min_p=0.0) if params.greedy else params
+    return {opt.llama_cpp: getattr(chosen, name) for name, opt in opts.items() if opt.llama_cpp}
+
+
+def to_openai(params: SamplingParams) -> dict[str, Any]:
+    """An OpenAI request's sampling fields for these params: temperature and top_p always (the API's defaults
+    differ from the library's), the other OpenAI fields where set; ValueError naming the options set that
+    OpenAI's API lacks."""
+    opts = sampling_options()
+    changed = params.changed()
+    refused = sorted(name for name in changed if not opts[name].openai)
+    if refused:
+        raise ValueError(f"not OpenAI request fields, so not sent to an endpoint: {', '.join(refused)}")
+    return {name: getattr(params, name) for name, opt in opts.items()
+            if opt.openai and (name in changed or opt.api_default is not None or name == "top_p")}
