@@ -18,7 +18,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 
-def _value(buf, at: int, kind: int, keep: bool) -> tuple[object, int]:
+def _value(buf, at: int, kind: int, wanted: bool) -> tuple[object, int]:
     """(the GGUF value of type `kind` at offset `at`, the offset after it); strings and arrays not kept
     are skipped over (None)."""
     if kind in _SCALARS:
@@ -26,17 +26,17 @@ def _value(buf, at: int, kind: int, keep: bool) -> tuple[object, int]:
         return struct.unpack_from(fmt, buf, at)[0], at + struct.calcsize(fmt)
     if kind == _STRING:
         n = struct.unpack_from("<Q", buf, at)[0]
-        return (bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace") if keep else None), at + 8 + n
+        return (bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace") if wanted else None), at + 8 + n
     if kind == _ARRAY:
         item, count = struct.unpack_from("<IQ", buf, at)
         at += 12
-        if item in _SCALARS and not keep:
+        if item in _SCALARS and not wanted:
             return None, at + count * struct.calcsize(_SCALARS[item])
         values = []
         for _ in range(count):
-            value, at = _value(buf, at, item, keep)
+            value, at = _value(buf, at, item, wanted)
             values.append(value)
-        return (values if keep else None), at
+        return (values if wanted else None), at
     raise ValueError(f"unknown GGUF value type {kind}")
 
 
@@ -59,13 +59,13 @@ def _read_gguf(path: str, tensors: bool = False) -> tuple[dict[str, object], lis
             raise ModelError(f"'{path}' is a GGUF version {version} file; version 2 or later is needed")
         at = 24
         for _ in range(count):
-            key, at = _value(buf, at, _STRING, keep=True)
+            key, at = _value(buf, at, _STRING, wanted=True)
             kind = struct.unpack_from("<I", buf, at)[0]
-            value, at = _value(buf, at + 4, kind, keep=not key.startswith("tokenizer."))
+            value, at = _value(buf, at + 4, kind, wanted=not key.startswith("tokenizer."))
             if value is not None:
                 meta[key] = value
         for _ in range(n_tensors if tensors else 0):
-            name, at = _value(buf, at, _STRING, keep=True)
+            name, at = _value(buf, at, _STRING, wanted=True)
             n_dims = struct.unpack_from("<I", buf, at)[0]
             dims = list(struct.unpack_from(f"<{n_dims}Q", buf, at + 4))
             kind = struct.unpack_from("<I", buf, at + 4 + 8 * n_dims)[0]

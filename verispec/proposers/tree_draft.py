@@ -109,13 +109,13 @@ class TreeDraftModel(DraftModel):
             q = self._ranking(slot, align_vocab(logits, self.vocab_size))
             frontier, frontier_scores = chosen, [scores[i] for i in chosen]
             steps += 1
-        keep = _best(parents, scores, depths, k)
-        if not keep:  # no candidate has q > 0 (e.g. a filter left none): no tree, the round decodes plainly
+        best = _best(parents, scores, depths, k)
+        if not best:  # no candidate has q > 0 (e.g. a filter left none): no tree, the round decodes plainly
             self.model.rollback(slot, base)
             return empty
-        index = {node: i for i, node in enumerate(keep)}
-        tree = TokenTree(device_tensor([tokens[i] for i in keep], seq.device_ids.device),
-                         [ROOT if parents[i] == ROOT else index[parents[i]] for i in keep], [scores[i] for i in keep])
+        index = {node: i for i, node in enumerate(best)}
+        tree = TokenTree(device_tensor([tokens[i] for i in best], seq.device_ids.device),
+                         [ROOT if parents[i] == ROOT else index[parents[i]] for i in best], [scores[i] for i in best])
         self._trees[slot] = (tree, {index[node]: row for node, row in fed.items() if node in index})
         return Draft(tree.tokens, None, Source.TREE, steps, tree)
 

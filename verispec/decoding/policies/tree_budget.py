@@ -35,17 +35,17 @@ TREE_MAX_NODES = 32  # the largest node budget an auto tree tries
 
 @dataclass
 class VerifyCost:
-    """Seconds of a target pass per fed token count: the median of the count's last `keep` passes, so that one
+    """Seconds of a target pass per fed token count: the median of the count's last `window` passes, so that one
     slow outlier does not decide a count; between measured counts, a linear interpolation, and past the largest
     the largest's cost (optimistic: a count priced too low gets tried and measured). No monotone curve is
     imposed: matmul kernels can make a pass over more rows cheaper than one over fewer (MKL's fp32 x·Wᵀ, which
     verispec.backends.linear avoids, is one such)."""
 
-    keep: int = 5
+    window: int = 5
     passes: dict[int, deque] = field(default_factory=dict)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        self.passes.setdefault(tokens, deque(maxlen=self.keep)).append(seconds)
+        self.passes.setdefault(tokens, deque(maxlen=self.window)).append(seconds)
 
     @property
     def plain(self) -> float | None:
