@@ -13,7 +13,7 @@ import contextlib
 import sys
 
 from verispec.apps.cli.errors import EXIT_USAGE, UsageError
-from verispec.names.drafters import DRAFTER_NAMES, FREE_DRAFTERS
+from verispec.names.drafters import BACKEND_NAMES, DRAFT_FORWARDS, DRAFTER_NAMES, FREE_DRAFTERS, QUANT_MODES
 from verispec.names.errors import ModelError
 from verispec.names.k import parse_k
 from verispec.names.options import (
@@ -59,11 +59,11 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                    help="weights dtype of models loaded through transformers; auto: bf16 where the device computes "
                         "in bf16 natively (CUDA, CPUs with AVX512-BF16 or AMX), else fp32 on a CPU")
     p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
-    p.add_argument("--backend", default="auto", choices=["auto", "hf", "llamacpp"],
+    p.add_argument("--backend", default="auto", choices=["auto", *BACKEND_NAMES],
                    help="target backend: hf (transformers), llamacpp (the GGUF file on llama.cpp; needs the "
                         "[llamacpp] extra) or auto: llamacpp on a CPU where it is installed and the target has a "
                         "GGUF, else hf")
-    p.add_argument("--draft-backend", default="auto", choices=["auto", "hf", "llamacpp"],
+    p.add_argument("--draft-backend", default="auto", choices=["auto", *BACKEND_NAMES],
                    help="draft backend; backends can be mixed (e.g. a llama.cpp draft for a transformers "
                         "target); auto: the target's")
     p.add_argument("--ctx-size", type=int, default=None, metavar="N",
@@ -83,7 +83,7 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                        help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: the target "
                             "backend's default with its default drafter; else 4, or auto when the target or the "
                             "draft runs on llama.cpp, where a fixed k can be slower than plain decoding)")
-        p.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
+        p.add_argument("--draft-quant", default="auto", choices=["auto", *QUANT_MODES],
                        help="weight-only quantisation of the transformers draft (never the target; exactness "
                             "unaffected); auto: int4 on the CPU, none elsewhere")
         p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
@@ -114,7 +114,7 @@ def _add_color_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_draft_forward_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-forward", default="auto", choices=["auto", "lean", "transformers"],
+    p.add_argument("--draft-forward", default="auto", choices=DRAFT_FORWARDS,
                    help="how a transformers draft runs: lean (verispec's decode path for Llama/Qwen2/Mistral: "
                         "fused layers, preallocated cache) or transformers' own forward; auto: lean where the "
                         "architecture allows")
