@@ -10,6 +10,7 @@ Torch-free: building the command line's parser loads no torch.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -153,7 +154,9 @@ class SamplingParams:
         return " ".join(f"{name}={value}" for name, value in changed.items())
 
 
+@functools.cache
 def _fields() -> dict[str, Any]:
+    """The option fields of SamplingParams by name (not stop_ids), read once: every construction checks them."""
     return {f.name: f for f in fields(SamplingParams) if "option" in f.metadata}
 
 
