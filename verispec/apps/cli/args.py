@@ -25,6 +25,9 @@ from verispec.names.options import (
     to_openai,
 )
 
+BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # --backend, --draft-backend
+QUANT_CHOICES = ("auto", *QUANT_MODES)  # --draft-quant
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse with verispec's error format: one line on stderr, exit status 2."""
@@ -59,11 +62,11 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                    help="weights dtype of models loaded through transformers; auto: bf16 where the device computes "
                         "in bf16 natively (CUDA, CPUs with AVX512-BF16 or AMX), else fp32 on a CPU")
     p.add_argument("--pull", action="store_true", help="install the default models if they are missing")
-    p.add_argument("--backend", default="auto", choices=["auto", *BACKEND_NAMES],
+    p.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
                    help="target backend: hf (transformers), llamacpp (the GGUF file on llama.cpp; needs the "
                         "[llamacpp] extra) or auto: llamacpp on a CPU where it is installed and the target has a "
                         "GGUF, else hf")
-    p.add_argument("--draft-backend", default="auto", choices=["auto", *BACKEND_NAMES],
+    p.add_argument("--draft-backend", default="auto", choices=BACKEND_CHOICES,
                    help="draft backend; backends can be mixed (e.g. a llama.cpp draft for a transformers "
                         "target); auto: the target's")
     p.add_argument("--ctx-size", type=int, default=None, metavar="N",
@@ -83,7 +86,7 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                        help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: the target "
                             "backend's default with its default drafter; else 4, or auto when the target or the "
                             "draft runs on llama.cpp, where a fixed k can be slower than plain decoding)")
-        p.add_argument("--draft-quant", default="auto", choices=["auto", *QUANT_MODES],
+        p.add_argument("--draft-quant", choices=QUANT_CHOICES, default="auto",
                        help="weight-only quantisation of the transformers draft (never the target; exactness "
                             "unaffected); auto: int4 on the CPU, none elsewhere")
         p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",

@@ -10,6 +10,7 @@ import argparse
 import os
 
 from verispec.apps.cli.args import (
+    QUANT_CHOICES,
     _add_draft_forward_arg,
     _add_model_args,
     _add_sampling_args,
@@ -32,7 +33,7 @@ from verispec.apps.cli.bench_common import (
 )
 from verispec.apps.cli.bench_endpoints import cmd_bench_endpoints
 from verispec.apps.cli.errors import _one_line
-from verispec.names.drafters import DRAFTER_NAMES, QUANT_MODES
+from verispec.names.drafters import DRAFTER_NAMES
 from verispec.names.errors import ModelError
 from verispec.names.k import DEFAULT_K, parse_k
 from verispec.names.options import BENCH_MAX_NEW_TOKENS
@@ -83,7 +84,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--repeats", type=int, default=1,
                    help="runs per prompt and configuration, interleaved and pooled (total tokens / total seconds) "
                         "before the ratio: single runs on a noisy machine swing by +-10-15%%")
-    b.add_argument("--draft-quant", default="auto", choices=["auto", *QUANT_MODES],
+    b.add_argument("--draft-quant", choices=QUANT_CHOICES, default="auto",
                    help="weight-only quantisation of the transformers draft (auto: int4 on the CPU); HF assisted "
                         "generation always gets the bf16 draft, its library default")
     b.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
