@@ -37,3 +37,19 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Total variation distance between the empirical distribution of `counts` and `probs`."""
     emp = counts.double() / counts.sum()
     return 0.5 * float((emp - probs.double()).abs().sum())
+
+
+def generation_histograms(engine, prompt: list[int], params, n: int, steps: int, vocab_size: int,
+                          seed0: int = 0) -> tuple[torch.Tensor, int, int]:
+    """Token counts [steps, V] per position over n seeded generations of `steps` tokens from one engine (seeds
+    seed0, seed0 + 1, ...), with the drafted and accepted tokens summed over them."""
+    from dataclasses import replace
+
+    counts = torch.zeros(steps, vocab_size, dtype=torch.long)
+    drafted = accepted = 0
+    for i in range(n):
+        out = engine.generate(prompt, replace(params, seed=seed0 + i), max_new_tokens=steps)
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+        for pos, tok in enumerate(out.token_ids):
+            counts[pos, tok] += 1
+    return counts, drafted, accepted

@@ -54,6 +54,26 @@ def test_default_pair_greedy_identical_fp32(capsys):
     assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often
 
 
+@pytest.mark.parametrize("backend", ["llamacpp", "hf"])
+def test_smollm2_drafts_for_the_default_target(capsys, backend):
+    """SmolLM2-135M (another tokenizer: 49,152 tokens) drafts for Qwen2.5-Coder-1.5B: greedy output token-identical
+    to plain decoding on the real pair; the draft's tokens are accepted; a sampled run reproduces from its seed."""
+    _need(DEFAULT_TARGET, "smollm2-135m-instruct")
+    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--backend", backend,
+              "--draft", "smollm2-135m-instruct", "--draft-backend", backend, "-k", "4"]
+    if backend == "hf":
+        common += ["--dtype", "fp32"]
+    spec = _generate(capsys, *common)
+    plain = _generate(capsys, *common, "--no-speculation")
+    assert spec["token_ids"] == plain["token_ids"]
+    s = spec["stats"]
+    print(f"\nsmollm2 -> default target ({backend}): acceptance {s['acceptance_rate']:.3f}, mean accepted length "
+          f"{s['mean_accepted_length']:.2f}")
+    assert s["acceptance_rate"] > 0.3 and "39,237 tokens in common" in spec["shared_vocab"]
+    sampled = [_generate(capsys, *common, "--temperature", "0.7", "--seed", "3") for _ in range(2)]
+    assert sampled[0]["token_ids"] == sampled[1]["token_ids"] and sampled[0]["stats"]["accepted"] > 0
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", DEFAULT_DRAFT])
 def test_real_tokenizer_extraction(tmp_path, name):
     """The tokenizer a pull extracts from the GGUF (what llama.cpp's text path loads), unmocked: the converted

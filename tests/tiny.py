@@ -135,3 +135,44 @@ def text_pair():
     """(target, perturbed draft, byte tokenizer): a tiny pair that speaks text, for API and streaming tests."""
     target = tiny_qwen2(21, vocab_size=264, init=0.1)
     return target, perturbed(target, seed=22, noise=0.1), byte_tokenizer()
+
+
+def bpe_tokenizer(vocab: list[str], merges: list[tuple[str, str]] = (), specials: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer over exactly `vocab` (strings in the byte-level alphabet: 'Ġ' is a space), id =
+    position, then `specials` as added special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=list(merges)))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    return tok
+
+
+def permuted_byte_tokenizer(seed: int):
+    """byte_tokenizer's tokens under other ids (the 256 byte tokens shuffled, the specials where they were), and
+    the permutation: new id = perm[old id]."""
+    alphabet = sorted(__import__("tokenizers").pre_tokenizers.ByteLevel.alphabet())
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(seed)).tolist()
+    vocab = [""] * 256
+    for old, ch in enumerate(alphabet):
+        vocab[perm[old]] = ch
+    tok = bpe_tokenizer(vocab)
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>", "<|endoftext|>"]})
+    return tok, perm + list(range(256, len(tok)))
+
+
+def permuted_model(model, perm: list[int]):
+    """`model` speaking a permuted vocabulary: token old's embedding and output rows moved to id perm[old], so that
+    on the same text it computes the same distribution, permuted."""
+    copy = tiny_qwen2(seed=0, vocab_size=model.config.vocab_size, hidden=model.config.hidden_size,
+                      layers=model.config.num_hidden_layers)
+    copy.load_state_dict(model.state_dict())
+    index = torch.tensor(perm + list(range(len(perm), model.config.vocab_size)))
+    with torch.no_grad():
+        for weight in (copy.model.embed_tokens.weight, copy.lm_head.weight):
+            weight[index] = weight.clone()
+    return copy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny import byte_tokenizer, save_tiny_pair, tiny_qwen2
+from tiny import bpe_tokenizer, byte_tokenizer, save_tiny_pair, sentencepiece_tokenizer, tiny_qwen2
 
 from verispec.apps.cli import main
 
@@ -60,16 +60,32 @@ def test_sampling_with_seed_reproduces(pair_dirs, capsys):
     assert a["token_ids"] == b["token_ids"]
 
 
-def test_vocabulary_mismatch_is_refused_before_loading(pair_dirs, tmp_path, capsys):
+def test_draft_of_another_tokenizer_generates_the_targets_tokens(pair_dirs, tmp_path, capsys):
+    """A draft whose tokenizer differs (a SentencePiece vocabulary) drafts through the shared tokens: greedy output
+    is plain decoding's, and --json says what the pair shares."""
     target, _ = pair_dirs
     other = tmp_path / "other"
-    tok = byte_tokenizer()
-    tok.add_tokens(["<extra>"])
-    tiny_qwen2(5, vocab_size=264).save_pretrained(other)
+    tok = sentencepiece_tokenizer()
+    tiny_qwen2(5, vocab_size=len(tok)).save_pretrained(other)
     tok.save_pretrained(other)
-    assert main(["generate", "--target", target, "--draft", str(other), "--prompt", "a"]) == 1  # a model problem
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("verispec: error:") and "different vocabularies" in err and "\n" not in err
+    common = ["--target", target, "--prompt", "hello world", "--max-new-tokens", "24", "--dtype", "fp32",
+              "--device", "cpu"]
+    plain = _run_json(capsys, *common, "--no-speculation")
+    crossed = _run_json(capsys, *common, "--draft", str(other), "-k", "3")
+    assert crossed["token_ids"] == plain["token_ids"] and crossed["stats"]["drafted"] > 0
+    assert "tokens in common" in crossed["shared_vocab"] and plain["shared_vocab"] is None
+
+
+def test_a_pair_sharing_few_tokens_warns_on_one_line(pair_dirs, tmp_path, capsys):
+    target, _ = pair_dirs
+    other = tmp_path / "few"
+    tok = bpe_tokenizer(["a", "b", "Ġ"] + [f"w{i}" for i in range(61)])
+    tiny_qwen2(6, vocab_size=len(tok)).save_pretrained(other)
+    tok.save_pretrained(other)
+    assert main(["generate", "--target", target, "--draft", str(other), "--prompt", "ab", "--max-new-tokens", "4",
+                 "--dtype", "fp32"]) == 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and warning[0].startswith("verispec: warning: the draft and the target share only ")
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from stats_util import chi2_pvalue
+from stats_util import chi2_pvalue, generation_histograms
 from test_engine import _exact_marginals
 from tiny import tiny_qwen2
 
@@ -315,14 +315,8 @@ PROMPT = [3, 1, 2, 3, 1]
 def _histograms(target, params, n, steps):
     """Token counts per position over n generations with one proposer: later ones draft from earlier
     ones' outputs too."""
-    counts = torch.zeros(steps, target.config.vocab_size, dtype=torch.long)
     eng = engine(target, SuffixProposer(min_prob=0.0), k=2)
-    drafted = 0
-    for i in range(n):
-        out = eng.generate(PROMPT, SamplingParams(**{**params.__dict__, "seed": i}), max_new_tokens=steps)
-        drafted += out.stats.drafted
-        for pos, tok in enumerate(out.token_ids):
-            counts[pos, tok] += 1
+    counts, drafted, _ = generation_histograms(eng, PROMPT, params, n, steps, target.config.vocab_size)
     return counts, drafted
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from verispec.assembly.store import ModelStore, _lean_net
 from verispec.backends import HFModel
 from verispec.backends.base import Model
 from verispec.backends.lean import LeanBatch, lean_unsupported
-from verispec.backends.loading import DTYPES, check_same_vocabulary, eog_token_ids
+from verispec.backends.loading import DTYPES, eog_token_ids
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.names.drafters import BACKEND_NAMES
 from verispec.names.errors import SpecError
@@ -50,8 +51,8 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     integer >= 0, 'auto', or None: DEFAULTS' k for the backend's default drafter with any draft model on the
     target's backend, else default_k). Models come
     from `store` (a fresh one when None): pipelines built on one store share the models their specs have in
-    common (see ModelStore for the reset rule). Refuses an incompatible pair (different vocabularies) before
-    loading any weights. Generation ends at the configured EOS ids and at every token llama.cpp treats as
+    common (see ModelStore for the reset rule). A draft model of another tokenizer drafts through a VocabBridge
+    (verispec.proposers.cross_vocab), with a warning when the two share too few tokens for drafting to help. Generation ends at the configured EOS ids and at every token llama.cpp treats as
     the end of generation, on every backend alike."""
     if k is not None:
         check_k(k)
@@ -82,34 +83,42 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     tokenizer = target.tokenizer if target.tokenizer is not None else store.tokenizer(target.model)
-    if has_model and not is_loaded(draft.model):
-        check_same_vocabulary(tokenizer, store.tokenizer(draft.model), target.label, draft.label)
+    draft_tokenizer = store.tokenizer(draft.model) if has_model and not is_loaded(draft.model) else tokenizer
+    cross = draft_tokenizer.get_vocab() != tokenizer.get_vocab()  # a draft of another tokenizer
+    if cross and tree:
+        raise SpecError("token trees need a draft of the target's vocabulary", "draft.drafter")
     times["tokenizers"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     target_model, eos = store.target(target, dtype)
     times["target"] = time.perf_counter() - t0
-    draft_model = None
+    draft_model = bridge = None
     if has_model:
         t0 = time.perf_counter()
-        draft_model = store.draft(draft, device, dtype, tokenizer, target_model.vocab_size)
+        draft_model = store.draft(draft, device, dtype, draft_tokenizer,
+                                  len(draft_tokenizer) if cross else target_model.vocab_size)
         times["draft"] = time.perf_counter() - t0
+    if cross:
+        bridge = store.bridge(tokenizer, draft_tokenizer, target_model.vocab_size, draft_model.vocab_size, device)
+        if bridge.shared.warning() is not None:
+            warnings.warn(bridge.shared.warning(), stacklevel=2)
     if tree:
         target_model, draft_model = _tree_models(target_model, draft_model)
-    drafter = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, target_model.vocab_size, 1)
+    vocab = bridge if bridge is not None else target_model.vocab_size
+    drafter = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, vocab, 1)
     end = eog_token_ids(tokenizer) if target.tokenizer is not None else store.end_tokens(target.model)
     eos = sorted({*eos, *end})
     if k is None:
         k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
     policy = None if draft is None else DRAFTERS[draft.drafter].auto_policy(k_max)
     generator = SpeculativeGenerator(target_model, drafter, eos, k, auto_policy=policy,
-                                     max_length=None if draft_model is None else draft_model.max_length)
+                                     max_length=None if draft_model is None or cross else draft_model.max_length)
     kernels = None
     if "llamacpp" in (target.backend, draft_backend):
         from verispec.backends.llamacpp import kernels as llama_kernels
 
         kernels = llama_kernels().describe(getattr(target_model, "weight_types", None))
     pipe = Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
-                    times, reason, kernels)
+                    times, reason, kernels, vocab_bridge=bridge)
     batch_reason = batch_unsupported(pipe)
     return replace(pipe, batch_reason=batch_reason,
                    make_batch=None if batch_reason else functools.partial(batch_generator, pipe))
@@ -166,7 +175,8 @@ def batch_generator(pipe: Pipeline, max_batch: int) -> SpeculativeGenerator:
     lone = pipe.generator
     target = _with_slots(lone.target, max_batch)
     draft = None if pipe.draft_model is None else _with_slots(pipe.draft_model, max_batch)
-    drafter = None if pipe.drafter == "none" else DRAFTERS[pipe.drafter].make(draft, target.vocab_size, max_batch)
+    vocab = pipe.vocab_bridge if pipe.vocab_bridge is not None else target.vocab_size
+    drafter = None if pipe.drafter == "none" else DRAFTERS[pipe.drafter].make(draft, vocab, max_batch)
     return SpeculativeGenerator(target, drafter, lone.eos_token_ids, pipe.k, auto_policy=lone.k_policy,
                                 max_length=pipe.context_length)
 

@@ -15,13 +15,14 @@ from verispec.backends.lean import LeanBatch, LeanNet, lean_unsupported
 from verispec.backends.linear import orient_linears
 from verispec.backends.loading import configured_eos_ids, eos_token_ids, load_model, resolve_gguf
 from verispec.backends.quant import quantize_model
-from verispec.backends.vocab import restrict_head
+from verispec.backends.vocab import VocabBridge, restrict_head
 from verispec.decoding.policies.base import KPolicy
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.decoding.policies.tree_budget import TreeBudget
 from verispec.names.errors import SpecError
 from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer, SuffixHistory, SuffixProposer
 from verispec.proposers.base import Drafter
+from verispec.proposers.cross_vocab import CrossVocabDraft
 from verispec.proposers.tree_draft import TreeDraftModel
 
 
@@ -110,25 +111,40 @@ def _suffixes(slots: int) -> LookupDrafter:
     return LookupDrafter([SuffixProposer(history=history) for _ in range(slots)])
 
 
+# a drafter's view of the target's vocabulary: its size, or the bridge from a draft model of another tokenizer
+Vocab = int | VocabBridge
+
+
+def _model_drafter(model: Model, vocab: Vocab) -> Drafter:
+    """A draft model's drafter: of the target's vocabulary, or of another one through its bridge."""
+    return CrossVocabDraft(model, vocab) if isinstance(vocab, VocabBridge) else DraftModel(model, vocab)
+
+
+def _tree(model: Model, vocab: Vocab) -> Drafter:
+    if isinstance(vocab, VocabBridge):
+        raise SpecError("token trees need a draft of the target's vocabulary", "draft.drafter", runtime=True)
+    return TreeDraftModel(model, vocab)
+
+
 @dataclass(frozen=True)
 class DrafterEntry:
-    """A registry entry: `make(draft model or None, the target's vocabulary size, slots) -> Drafter` (the draft
-    model, if any, holds that many slots); `needs_model`: whether it drafts with a draft LM; `auto_policy(k_max) ->
-    KPolicy`: the policy of k = 'auto' (token trees: their node budget and depth; chains: cost-aware k)."""
+    """A registry entry: `make(draft model or None, the target's Vocab, slots) -> Drafter` (the draft model, if
+    any, holds that many slots); `needs_model`: whether it drafts with a draft LM; `auto_policy(k_max) -> KPolicy`:
+    the policy of k = 'auto' (token trees: their node budget and depth; chains: cost-aware k)."""
 
-    make: Callable[[Model | None, int, int], Drafter]
+    make: Callable[[Model | None, Vocab, int], Drafter]
     needs_model: bool
     auto_policy: Callable[[int], KPolicy] = CostAwareK
 
 
 DRAFTERS: dict[str, DrafterEntry] = {
-    "model": DrafterEntry(lambda model, vocab, slots: DraftModel(model, vocab), needs_model=True),
+    "model": DrafterEntry(lambda model, vocab, slots: _model_drafter(model, vocab), needs_model=True),
     "ngram": DrafterEntry(lambda model, vocab, slots: _ngrams(slots), needs_model=False),
     "suffix": DrafterEntry(lambda model, vocab, slots: _suffixes(slots), needs_model=False),
-    "hybrid": DrafterEntry(lambda model, vocab, slots: HybridDrafter(_ngrams(slots), DraftModel(model, vocab)),
+    "hybrid": DrafterEntry(lambda model, vocab, slots: HybridDrafter(_ngrams(slots), _model_drafter(model, vocab)),
                            needs_model=True),
-    "hybrid-suffix": DrafterEntry(lambda model, vocab, slots: HybridDrafter(_suffixes(slots), DraftModel(model, vocab)),
-                                  needs_model=True),
-    "tree": DrafterEntry(lambda model, vocab, slots: TreeDraftModel(model, vocab), needs_model=True,
+    "hybrid-suffix": DrafterEntry(
+        lambda model, vocab, slots: HybridDrafter(_suffixes(slots), _model_drafter(model, vocab)), needs_model=True),
+    "tree": DrafterEntry(lambda model, vocab, slots: _tree(model, vocab), needs_model=True,
                          auto_policy=lambda k_max: TreeBudget()),
 }

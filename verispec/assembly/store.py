@@ -15,7 +15,7 @@ from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.backends.base import Model, Sequence
 from verispec.backends.lean import LeanBatch, LeanNet
 from verispec.backends.loading import eog_token_ids, load_model, load_tokenizer
-from verispec.backends.vocab import frequent_tokens
+from verispec.backends.vocab import VocabBridge, frequent_tokens
 from verispec.names.k import K_MAX
 
 
@@ -84,7 +84,7 @@ class ModelStore:
 
     def draft(self, spec: DraftSpec, device: torch.device, dtype: torch.dtype, tokenizer, vocab_size: int) -> Model:
         """The draft Model for a resolved draft spec, on the target's device and dtype, warmed up; `tokenizer`
-        and `vocab_size` (the target's) pick a reduced vocabulary's tokens."""
+        and `vocab_size` (the draft's) pick a reduced vocabulary's tokens."""
         key = ("draft", _model_key(spec.model), spec.backend, str(device), dtype, spec.quant, spec.vocab,
                spec.forward, spec.ctx_size)
 
@@ -96,6 +96,13 @@ class ModelStore:
             return model
 
         return self._get(key, make)
+
+    def bridge(self, target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int,
+               device: torch.device) -> VocabBridge:
+        """The VocabBridge between a target's and a draft's tokenizers, on `device`."""
+        key = ("bridge", id(target_tokenizer), id(draft_tokenizer), target_vocab, draft_vocab, str(device))
+        return self._get(key, lambda: VocabBridge(target_tokenizer, draft_tokenizer, target_vocab, draft_vocab,
+                                                  device))
 
     def transformers_model(self, ref: str, device: torch.device, dtype: torch.dtype):
         """A plain transformers model (no quantisation, full head, its own forward), e.g. for a reference

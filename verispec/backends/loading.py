@@ -189,15 +189,7 @@ def configured_eos_ids(ref: str) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
-def check_same_vocabulary(target_tok, draft_tok, target_ref: str, draft_ref: str) -> None:
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ModelError(
-            f"draft '{draft_ref}' and target '{target_ref}' use different vocabularies "
-            f"({len(draft_tok)} vs {len(target_tok)} tokens): speculative decoding needs a shared tokenizer"
-        )
-
-
 __all__ = [
-    "ModelSource", "check_same_vocabulary", "configured_eos_ids", "eog_ids_of_vocab", "eog_token_ids", "eos_token_ids",
+    "ModelSource", "configured_eos_ids", "eog_ids_of_vocab", "eog_token_ids", "eos_token_ids",
     "load_model", "load_tokenizer", "resolve", "resolve_gguf",
 ]

@@ -1,4 +1,5 @@
-"""A reduced-vocabulary LM head for the draft model (`--draft-vocab N`).
+"""The draft's vocabulary: a reduced-vocabulary LM head (`--draft-vocab N`), and the bridge to a target of
+another tokenizer (`VocabBridge`).
 
 The draft scores only N frequent tokens; every other token gets logit -inf, so q = 0 there. Verification
 stays exact: a token the draft cannot propose is still reachable through the recovered distribution
@@ -61,3 +62,56 @@ def restrict_head(model: nn.Module, ids: torch.Tensor) -> nn.Module:
         raise ValueError(f"cannot restrict an LM head of type {type(head).__name__}")
     model.set_output_embeddings(SubsetHead(head, ids))
     return model
+
+
+def _padded(table: list[bytes], size: int) -> list[bytes]:
+    return table + [b""] * (size - len(table))
+
+
+class VocabBridge:
+    """How a draft model of another vocabulary meets the target: the tokens both hold (verispec.catalog.vocab),
+    as index tensors on the device, and each side's bytes per token and text encoder. `to_target` turns draft
+    logits into target-vocabulary logits over the shared tokens (-inf elsewhere: q = 0 there); `draft_of` maps a
+    shared target token back to the draft's id. Needs fast (tokenizers-backed) tokenizers."""
+
+    def __init__(self, target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int,
+                 device: torch.device) -> None:
+        from verispec.catalog.vocab import byte_tokens, shared_tokens, token_bytes
+
+        target, draft = (getattr(t, "backend_tokenizer", None) for t in (target_tokenizer, draft_tokenizer))
+        if target is None or draft is None:
+            raise ValueError("a draft of another vocabulary needs fast (tokenizers-backed) tokenizers on both sides")
+        self.shared = shared_tokens(target, draft)
+        pairs = [(t, d) for t, d in self.shared.pairs if t < target_vocab and d < draft_vocab]
+        if not pairs:
+            raise ValueError("the draft's and the target's vocabularies have no token in common")
+        # each id's bytes, b"" for the ids a model's logits have beyond its tokenizer
+        self.target_bytes = _padded(token_bytes(target), target_vocab)
+        self.draft_bytes = _padded(token_bytes(draft), draft_vocab)
+        self._target, self._draft = target, draft
+        self.target_vocab = target_vocab
+        t_ids, d_ids = zip(*pairs)
+        self.target_ids = torch.tensor(t_ids, dtype=torch.long, device=device)  # [S]
+        self.draft_ids = torch.tensor(d_ids, dtype=torch.long, device=device)  # [S], pairwise with target_ids
+        self.draft_of = dict(pairs)  # shared target id -> draft id
+        self.target_byte_ids, self.draft_byte_ids = byte_tokens(self.target_bytes), byte_tokens(self.draft_bytes)
+        self.draft_index = torch.zeros(target_vocab, dtype=torch.long, device=device)  # the same, on the device
+        self.draft_index[self.target_ids] = self.draft_ids
+
+    def to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, Vd] -> [n, target_vocab]: each shared token's draft logit at its target id, -inf
+        elsewhere."""
+        out = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
+        return out.index_copy_(-1, self.target_ids, logits.index_select(-1, self.draft_ids))
+
+    def to_draft(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Shared target tokens [n] -> the draft's ids for them [n] (on the device)."""
+        return self.draft_index[tokens]
+
+    def encode_target(self, text: str) -> list[int]:
+        """Text -> target token ids (special-token strings become their tokens, as in a chat template)."""
+        return self._target.encode(text, add_special_tokens=False).ids
+
+    def encode_draft(self, text: str):
+        """Text -> the draft's encoding of it (`ids`, and `offsets`: each token's span in characters)."""
+        return self._draft.encode(text, add_special_tokens=False)

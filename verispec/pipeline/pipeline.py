@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from verispec.backends.base import Model
+from verispec.backends.vocab import VocabBridge
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.engine import Generation, SpeculativeGenerator
 from verispec.decoding.request import Committed, Request
@@ -152,7 +153,8 @@ class Pipeline:
     none otherwise); `load_seconds` what loading took, per part; `reason` why the target runs on its backend
     (and, where they were defaults, where the drafter and k came from), one line; `kernels` which llama.cpp
     kernels verify and why, one line (None: no model runs on llama.cpp); `batch_reason` why the pipeline cannot
-    decode a batch (None: it can, with `make_batch(max_batch)`)."""
+    decode a batch (None: it can, with `make_batch(max_batch)`); `vocab_bridge` how a draft model of another
+    tokenizer meets the target (None: the draft shares the target's)."""
 
     generator: SpeculativeGenerator
     tokenizer: Any
@@ -166,6 +168,7 @@ class Pipeline:
     kernels: str | None = None
     batch_reason: str | None = "batched decoding needs a pipeline made by verispec.assembly.build"
     make_batch: Callable[[int], SpeculativeGenerator] | None = None
+    vocab_bridge: VocabBridge | None = None
     _batches: dict[int, SpeculativeGenerator] = field(default_factory=dict, init=False, repr=False)  # by size
 
     # -- what was built ---------------------------------------------------------------------------
@@ -207,10 +210,11 @@ class Pipeline:
         return self.generator.num_draft_tokens
 
     def setup(self) -> dict[str, object]:
-        """What runs and why, for front ends to show: backend, drafter, k, dtype, the reason and the llama.cpp
-        kernels."""
+        """What runs and why, for front ends to show: backend, drafter, k, dtype, the reason, the llama.cpp
+        kernels, and what a draft of another tokenizer shares with the target (None: the same tokenizer)."""
+        shared = None if self.vocab_bridge is None else self.vocab_bridge.shared.describe()
         return {"backend": self.backend, "drafter": self.drafter, "k": self.k, "dtype": self.dtype,
-                "reason": self.reason, "kernels": self.kernels}
+                "reason": self.reason, "kernels": self.kernels, "shared_vocab": shared}
 
     @property
     def draft_quant(self) -> str:
@@ -219,9 +223,12 @@ class Pipeline:
 
     @property
     def context_length(self) -> int:
-        """Tokens the pair can hold: the target's context, or the draft model's when that is shorter."""
+        """Tokens the pair can hold: the target's context, or the draft model's when that is shorter and counts the
+        same tokens (a draft of another tokenizer stops drafting where its context ends)."""
         n_ctx = self.generator.target.max_length
-        return n_ctx if self.draft_model is None else min(n_ctx, self.draft_model.max_length)
+        if self.draft_model is None or self.vocab_bridge is not None:
+            return n_ctx
+        return min(n_ctx, self.draft_model.max_length)
 
     # -- generating -------------------------------------------------------------------------------
 

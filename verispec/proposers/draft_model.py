@@ -54,6 +54,17 @@ def after_token(
     return presence, counts
 
 
+def draft_step(model: Model, slots: list[int], feeds: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One draft step over the rows (each feeds its tokens [n]; its last position's logits [1, V] come back), in
+    forwards of at most PACKED_MAX_ROWS token rows: a quantised draft's packed kernels then compute every row as
+    they would alone (see verispec.backends.quant), so a row's q never depends on how many rows share the step."""
+    per_forward = max(1, PACKED_MAX_ROWS // max(f.numel() for f in feeds))
+    logits = []
+    for at in range(0, len(slots), per_forward):
+        logits += model.forward_rows(slots[at : at + per_forward], feeds[at : at + per_forward], last_only=True)
+    return logits
+
+
 class DraftModel:
     """Drafts with `model` (a Model of as many slots as the round's target). Per slot, the cache holds a prefix of
     the committed sequence (plus, mid-round, its own drafts); after verification it is rolled back to what was
@@ -120,7 +131,7 @@ class DraftModel:
             state[i] = (*penalty_state(seq, self._settings[slot][0], self.vocab_size), [], [])
         step = 0
         while live:
-            logits = self._step([rows[i][0] for i in live], [feeds[i] for i in live])
+            logits = draft_step(self.model, [rows[i][0] for i in live], [feeds[i] for i in live])
             for i, row_logits in zip(live, logits):
                 slot, seq, _, _ = rows[i]
                 params, generator = self._settings[slot]
@@ -139,17 +150,6 @@ class DraftModel:
         for i, (_, _, tokens, probs) in state.items():
             drafts[i] = Draft(torch.cat(tokens), torch.cat(probs) if probs else None, Source.MODEL, len(tokens))
         return drafts
-
-    def _step(self, slots: list[int], feeds: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One draft step over the rows, in forwards of at most PACKED_MAX_ROWS token rows: a quantised draft's
-        packed kernels then compute every row as they would alone (see verispec.backends.quant), so a row's q never
-        depends on how many rows share the step."""
-        per_forward = max(1, PACKED_MAX_ROWS // max(f.numel() for f in feeds))
-        logits = []
-        for at in range(0, len(slots), per_forward):
-            logits += self.model.forward_rows(slots[at : at + per_forward], feeds[at : at + per_forward],
-                                              last_only=True)
-        return logits
 
     def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
         # the cache holds seq[:base] + drafts[:drafted - 1]; the first `accepted` drafts were committed

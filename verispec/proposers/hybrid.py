@@ -10,6 +10,7 @@ from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 from verispec.names.drafters import Source
 from verispec.proposers.base import DraftRow
+from verispec.proposers.cross_vocab import CrossVocabDraft
 from verispec.proposers.draft_model import DraftModel
 from verispec.proposers.lookup import LookupDrafter
 
@@ -22,9 +23,9 @@ class HybridDrafter:
     ('ngram' or 'suffix') and 'model', so that a k policy can switch the draft model off while free lookup drafts
     keep going. The draft model catches up on the tokens it skipped the next time it drafts."""
 
-    def __init__(self, lookup: LookupDrafter, model: DraftModel) -> None:
+    def __init__(self, lookup: LookupDrafter, model: DraftModel | CrossVocabDraft) -> None:
         self.lookup, self.model = lookup, model
-        self._last: list[LookupDrafter | DraftModel | None] = [None] * model.model.slots  # who drafted per slot
+        self._last: list[LookupDrafter | DraftModel | CrossVocabDraft | None] = [None] * model.model.slots  # who drafted per slot
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         source = self.lookup.source(slot, seq)

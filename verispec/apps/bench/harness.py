@@ -129,6 +129,16 @@ class Bench:
         target = self.baseline.generator.target
         return self.store.transformers_model(draft.model, self.baseline.device, next(target.model.parameters()).dtype)
 
+    def hf_assistant_tokenizers(self) -> dict:
+        """The tokenizers HF assisted generation needs when the draft's differ from the target's (its
+        different-tokenizer assistant, UniversalSpeculativeDecodingGenerator when sampling); {} when they are one."""
+        draft = self.resolved_draft()
+        target_tok = self.baseline.tokenizer
+        draft_tok = self.store.tokenizer(draft.model)
+        if draft_tok.get_vocab() == target_tok.get_vocab():
+            return {}
+        return {"tokenizer": target_tok, "assistant_tokenizer": draft_tok}
+
     def llama(self, lookup: bool):
         """llama-cpp-python's own Llama on the target's GGUF: the target's when it runs on llama.cpp (plain
         decoding), else one opened for the benchmark."""
@@ -219,15 +229,17 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
     )
 
 
-def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, draft_model) -> dict:
-    """Hugging Face's own assisted generation on the same models (library defaults for the draft), or its
-    prompt lookup decoding when `draft_model` is None."""
+def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, draft_model,
+            tokenizers: dict | None = None) -> dict:
+    """Hugging Face's own assisted generation on the same models (library defaults for the draft; `tokenizers`:
+    the target's and the draft's when they differ), or its prompt lookup decoding when `draft_model` is None."""
     target = pipe.generator.target.model
     input_ids = torch.tensor([ids], device=pipe.device)
     kwargs: dict = dict(max_new_tokens=max_new, attention_mask=torch.ones_like(input_ids),
                         eos_token_id=sorted(pipe.generator.eos_token_ids) or None)
     if draft_model is not None:
         kwargs["assistant_model"] = draft_model
+        kwargs.update(tokenizers or {})
     else:
         kwargs["prompt_lookup_num_tokens"] = 10
     kwargs.update(to_transformers(params))
@@ -433,7 +445,7 @@ def _one(bench: Bench, config: Config, ids: list[int], params: SamplingParams, m
          warm: list[int] | None = None) -> dict:
     """One timed run; `warm`: a previous turn's prompt, answered first, untimed (hf configurations refuse it)."""
     if config.kind == "hf":
-        return _run_hf(bench.baseline, ids, params, max_new, bench.hf_draft())
+        return _run_hf(bench.baseline, ids, params, max_new, bench.hf_draft(), bench.hf_assistant_tokenizers())
     if config.kind == "hf-lookup":
         return _run_hf(bench.baseline, ids, params, max_new, None)
     if config.kind in ("llama", "llama-lookup"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from verispec.apps.cli import bench, chat, export, generate, models, serve
 from verispec.apps.cli.args import _HelpFormatter, _Parser
@@ -43,6 +44,10 @@ def _quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _warn_on_one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"verispec: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (see the module docstring)."""
     try:
@@ -50,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error argparse has already printed
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else EXIT_USAGE
     _quiet_libraries()
+    warnings.showwarning = _warn_on_one_line
     try:
         return args.func(args)
     except KeyboardInterrupt:

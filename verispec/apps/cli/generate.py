@@ -71,6 +71,7 @@ def cmd_generate(args) -> int:
             "dtype": pipe.dtype,
             "reason": pipe.reason,
             "kernels": pipe.kernels,
+            "shared_vocab": pipe.setup()["shared_vocab"],
             "draft_backend": pipe.draft_backend,
             "draft_quant": pipe.draft_quant,
             "draft_forward": pipe.draft_forward,

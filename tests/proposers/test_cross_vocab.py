@@ -1,0 +1,244 @@
+"""A draft model of another tokenizer (verispec.proposers.cross_vocab): the shared tokens, greedy identity, the
+emitted distribution against exact enumeration (with negative controls), acceptance where the draft is the target
+under other ids, batches, and the pipeline that builds such a pair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stats_util import chi2_pvalue, generation_histograms
+from test_engine import ALPHA
+from test_penalties import _exact_marginals as _penalised_marginals
+from tiny import (
+    bpe_tokenizer,
+    byte_tokenizer,
+    permuted_byte_tokenizer,
+    permuted_model,
+    sentencepiece_tokenizer,
+    tiny_qwen2,
+)
+
+from verispec.backends import HFModel
+from verispec.backends.lean import LeanBatch, LeanNet
+from verispec.backends.vocab import VocabBridge
+from verispec.catalog.vocab import shared_tokens, token_bytes
+from verispec.core.sampling import SamplingParams, probs_from_logits
+from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.proposers.cross_vocab import CrossVocabDraft, text_pieces
+
+CPU = torch.device("cpu")
+# two small byte-level BPE vocabularies over the same text: 6 tokens in common, each with tokens the other lacks
+TARGET_VOCAB = ["a", "b", "c", "d", "Ġ", "ab", "cd", "bc"]
+TARGET_MERGES = [("a", "b"), ("c", "d"), ("b", "c")]
+DRAFT_VOCAB = ["Ġ", "d", "c", "b", "a", "ab", "abc", "da", "Ġa"]
+DRAFT_MERGES = [("a", "b"), ("ab", "c"), ("d", "a"), ("Ġ", "a")]
+
+
+def cross_engine(target, draft, target_tok, draft_tok, k=3, eos=(), slots=1) -> SpeculativeGenerator:
+    """An engine whose draft speaks `draft_tok` and the target `target_tok` (transformers models; slots > 1: both
+    on the lean path)."""
+    if slots == 1:
+        t, d = HFModel(target), HFModel(draft)
+    else:
+        t, d = LeanBatch(LeanNet(target), slots), LeanBatch(LeanNet(draft), slots)
+    bridge = VocabBridge(target_tok, draft_tok, t.vocab_size, d.vocab_size, CPU)
+    return SpeculativeGenerator(t, CrossVocabDraft(d, bridge), eos_token_ids=eos, num_draft_tokens=k,
+                                auto_policy=CostAwareK())
+
+
+# -- the shared tokens -----------------------------------------------------------------------------------
+
+
+def test_tokens_are_compared_by_bytes():
+    target = bpe_tokenizer(TARGET_VOCAB, TARGET_MERGES, specials=("<eos>",))
+    draft = bpe_tokenizer(DRAFT_VOCAB, DRAFT_MERGES, specials=("<eos>",))
+    shared = shared_tokens(target.backend_tokenizer, draft.backend_tokenizer)
+    assert shared.pairs == ((0, 4), (1, 3), (2, 2), (3, 1), (4, 0), (5, 5), (8, 9))  # a b c d Ġ ab <eos>
+    assert (shared.target_size, shared.draft_size) == (9, 10)
+    assert token_bytes(target.backend_tokenizer)[4] == b" " and token_bytes(draft.backend_tokenizer)[8] == b" a"
+    sp = sentencepiece_tokenizer()
+    table = token_bytes(sp.backend_tokenizer)
+    assert table[sp.convert_tokens_to_ids("<0x41>")] == b"A" and table[sp.convert_tokens_to_ids("▁the")] == b" the"
+    # a special token pairs only with a special token of the same text
+    plain = bpe_tokenizer(TARGET_VOCAB + ["<eos>"], TARGET_MERGES)
+    assert (8, 9) not in shared_tokens(plain.backend_tokenizer, draft.backend_tokenizer).pairs
+
+
+def test_share_warning():
+    byte = byte_tokenizer()
+    few = bpe_tokenizer(["a", "b", "Ġ"] + [f"x{i}" for i in range(10)])
+    assert shared_tokens(byte.backend_tokenizer, few.backend_tokenizer).warning() is not None
+    subset = bpe_tokenizer(["a", "b", "Ġ", "x"])
+    assert shared_tokens(byte.backend_tokenizer, subset.backend_tokenizer).warning() is None  # all the draft's tokens
+
+
+def test_text_pieces_wait_for_a_whole_character():
+    data = "né€".encode()
+    assert text_pieces(data) == (["né€"], len(data))
+    assert text_pieces(data[:-1]) == (["né"], 3) and text_pieces(data[:-2]) == (["né"], 3)
+    assert text_pieces(b"a\xffb\xe2") == (["a", 0xFF, "b"], 3)  # a byte that is no UTF-8 stands alone
+
+
+# -- greedy: token-identical to plain decoding -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_models():
+    """A target on the byte tokenizer and an unrelated draft on a SentencePiece one (its text does not round-trip
+    byte for byte: it prepends a space)."""
+    target_tok, draft_tok = byte_tokenizer(), sentencepiece_tokenizer()
+    target = tiny_qwen2(31, vocab_size=len(target_tok), init=0.1)
+    draft = tiny_qwen2(32, vocab_size=len(draft_tok) + 5, init=0.1)
+    return target, draft, target_tok, draft_tok
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("prompt", ["the quick brown fox", "déf f(x): €"])
+def test_greedy_identical_to_plain(text_models, k, prompt):
+    target, draft, target_tok, draft_tok = text_models
+    ids = target_tok.encode(prompt)
+    plain = SpeculativeGenerator(HFModel(target)).generate(ids, max_new_tokens=40)
+    eng = cross_engine(target, draft, target_tok, draft_tok, k=k)
+    for _ in range(2):  # the second generation keeps the draft tokens of the shared prompt
+        out = eng.generate(ids, max_new_tokens=40)
+        assert out.token_ids == plain.token_ids
+    assert out.stats.draft_forwards > 0
+
+
+def test_eos_and_stops_exact(text_models):
+    target, draft, target_tok, draft_tok = text_models
+    ids = target_tok.encode("hello world")
+    plain = SpeculativeGenerator(HFModel(target)).generate(ids, max_new_tokens=30)
+    eos = plain.token_ids[7]
+    want = SpeculativeGenerator(HFModel(target), eos_token_ids=[eos]).generate(ids, max_new_tokens=30)
+    out = cross_engine(target, draft, target_tok, draft_tok, k=4, eos=[eos]).generate(ids, max_new_tokens=30)
+    assert out.token_ids == want.token_ids and out.token_ids[-1] == eos
+
+
+# -- a draft that is the target under other ids: everything is accepted ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def permuted_pair():
+    target_tok = byte_tokenizer()
+    draft_tok, perm = permuted_byte_tokenizer(5)
+    target = tiny_qwen2(41, vocab_size=len(target_tok), init=0.1, scale=4.0)
+    return target, permuted_model(target, perm), target_tok, draft_tok
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_same_model_under_other_ids_accepts_everything(permuted_pair, params):
+    """Each draft token is the target's own choice only when the draft reads the committed text exactly (its
+    tokens spell it) and q maps onto the right target ids: a shifted context or a wrong map drops acceptance."""
+    target, draft, target_tok, draft_tok = permuted_pair
+    eng = cross_engine(target, draft, target_tok, draft_tok, k=4)
+    for prompt in ["def f(x):", "def f(x): return", "naïve café"]:
+        out = eng.generate(target_tok.encode(prompt), params, max_new_tokens=48)
+        assert out.stats.drafted >= 24 and out.stats.accepted >= 0.97 * out.stats.drafted, out.stats
+
+
+def test_batched_rows_equal_their_solo_runs(permuted_pair):
+    target, draft, target_tok, draft_tok = permuted_pair
+    prompts = ["def f(x):", "hello", "naïve café", "for i in range(3):", "x = 1"]
+    params = [SamplingParams(), SamplingParams(temperature=0.9, seed=1), SamplingParams(), SamplingParams(
+        temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0.7, presence_penalty=0.5, seed=3)]
+    solo = cross_engine(target, draft, target_tok, draft_tok, k=3, slots=2)
+    want = [solo.generate(target_tok.encode(p), s, max_new_tokens=24).token_ids for p, s in zip(prompts, params)]
+    batch = cross_engine(target, draft, target_tok, draft_tok, k=3, slots=3)
+    rows = [batch.add(target_tok.encode(p), s, max_new_tokens=24) for p, s in zip(prompts[:3], params[:3])]
+    waiting = list(zip(prompts[3:], params[3:]))
+    while batch.active or waiting:
+        batch.step()
+        while waiting and batch.free_slots:
+            p, s = waiting.pop(0)
+            rows.append(batch.add(target_tok.encode(p), s, max_new_tokens=24))
+    assert [r.result.token_ids for r in rows] == want
+
+
+# -- sampled: the emitted distribution is the target's ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target_tok = bpe_tokenizer(TARGET_VOCAB, TARGET_MERGES)
+    draft_tok = bpe_tokenizer(DRAFT_VOCAB, DRAFT_MERGES)
+    target = tiny_qwen2(51, vocab_size=8, hidden=32, init=0.5)
+    draft = tiny_qwen2(52, vocab_size=9, hidden=32, init=0.5)  # the target's layers; its tokens where they share
+    state = {name: w for name, w in target.state_dict().items() if "embed_tokens" not in name and "lm_head" not in name}
+    draft.load_state_dict(state, strict=False)
+    pairs = torch.tensor(shared_tokens(target_tok.backend_tokenizer, draft_tok.backend_tokenizer).pairs)
+    with torch.no_grad():
+        for d, t in ((draft.model.embed_tokens.weight, target.model.embed_tokens.weight),
+                     (draft.lm_head.weight, target.lm_head.weight)):
+            d[pairs[:, 1]] = t[pairs[:, 0]]
+    return target, draft, target_tok, draft_tok
+
+
+PROMPT = [0, 1, 4]  # "ab " in the target's tokens
+
+
+def _exact(model, params: SamplingParams, steps: int) -> list[torch.Tensor]:
+    """Each of the first `steps` tokens' marginal distribution under plain sampling, by enumeration."""
+    seqs, weights, marginals = torch.tensor([PROMPT]), torch.ones(1, dtype=torch.float64), []
+    for _ in range(steps):
+        with torch.no_grad():
+            probs = probs_from_logits(model(input_ids=seqs).logits[:, -1], params).double()  # [S, 8]
+        joint = weights[:, None] * probs
+        marginals.append(joint.sum(0))
+        seqs = torch.cat([seqs.repeat_interleave(8, 0), torch.arange(8).repeat(len(seqs))[:, None]], 1)
+        weights = joint.reshape(-1)
+    return marginals
+
+
+def _histograms(small_pair, params: SamplingParams, n: int, steps: int) -> tuple[torch.Tensor, int]:
+    target, draft, target_tok, draft_tok = small_pair
+    eng = cross_engine(target, draft, target_tok, draft_tok, k=2)
+    counts, _, accepted = generation_histograms(eng, PROMPT, params, n, steps, 8)
+    return counts, accepted
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5)],
+                         ids=["temperature", "top_k"])
+def test_marginals_match_target(small_pair, params):
+    """Tokens 1-3 of speculative generations with a draft of another vocabulary (k = 2) follow the target's exact
+    marginals. V = 8, N = 3000; false-failure probability 3 x ALPHA. The draft's tokens are accepted often enough
+    for the test to see them."""
+    exact = _exact(small_pair[0], params, 3)
+    counts, accepted = _histograms(small_pair, params, 3000, 3)
+    assert accepted > 1500
+    for pos in range(3):
+        assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
+
+
+def test_penalised_marginals_match_target(small_pair, monkeypatch):
+    """The same with presence and frequency penalties and min_tokens (the draft's q counts the target's tokens)."""
+    import test_penalties
+
+    monkeypatch.setattr(test_penalties, "PROMPT", PROMPT)
+    params = SamplingParams(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.8, min_tokens=2,
+                            stop_ids=(0, 5))
+    exact = _penalised_marginals(small_pair[0], params, 3)
+    counts, _ = _histograms(small_pair, params, 1500, 3)
+    for pos in range(3):
+        assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
+
+
+def test_negative_control_q_not_restricted(small_pair, monkeypatch):
+    """The same test fails when the draft samples from its whole vocabulary's mass (q not renormalised over the
+    shared tokens) but reports q restricted: the rejection sampler is then told the wrong q."""
+    import verispec.proposers.cross_vocab as module
+
+    real = module.draft_token
+
+    def wrong_q(logits, params, presence, counts, position, generator):
+        token, q = real(logits, params, presence, counts, position, generator)
+        flat = torch.where(q > 0, torch.ones_like(q), torch.zeros_like(q))
+        return token, flat / flat.sum(-1, keepdim=True)  # claims q uniform over the shared tokens
+
+    monkeypatch.setattr(module, "draft_token", wrong_q)
+    params = SamplingParams(temperature=1.0)
+    exact = _exact(small_pair[0], params, 2)
+    counts, _ = _histograms(small_pair, params, 1500, 2)
+    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(2)) < ALPHA
