@@ -5,12 +5,15 @@
 # AssistedCandidateGeneratorDifferentTokenizers when greedy, UniversalSpeculativeDecodingGenerator when sampling).
 # Every `verispec bench` run times plain decoding in the same process and prints ratios. Sizes (environment):
 #   LIMIT (HumanEval problems, 20), SPEC_PER_CATEGORY (Spec-Bench questions per category, 0: skip; the full goal
-#   is 30 questions), MAX_NEW (128), HF_LIMIT (transformers problems, 4), HF_MAX_NEW (48), BACKENDS (llamacpp hf).
+#   is 30 questions), MAX_NEW (128), HF_LIMIT (transformers problems, 4), HF_MAX_NEW (48), BACKENDS (llamacpp hf),
+#   MODES (greedy t07), DRAFTS (smollm2-135m-instruct qwen2.5-coder-0.5b-instruct).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data="${BENCH_DATA:-../shared/bench-data}"
 LIMIT="${LIMIT:-20}" SPEC_PER_CATEGORY="${SPEC_PER_CATEGORY:-0}" MAX_NEW="${MAX_NEW:-128}"
 HF_LIMIT="${HF_LIMIT:-4}" HF_MAX_NEW="${HF_MAX_NEW:-48}" BACKENDS="${BACKENDS:-llamacpp hf}"
+MODES="${MODES:-greedy t07}" DRAFTS="${DRAFTS:-smollm2-135m-instruct qwen2.5-coder-0.5b-instruct}"
+declare -A SAMPLING=([greedy]="" [t07]="--temperature 0.7 --seed 1")
 mkdir -p out/cross_vocab
 sets=("humaneval:--prompts $data/HumanEval.jsonl.gz")
 if [ "$SPEC_PER_CATEGORY" -gt 0 ]; then
@@ -19,9 +22,9 @@ fi
 for backend in $BACKENDS; do
   for entry in "${sets[@]}"; do
     name="${entry%%:*}" prompts="${entry#*:}"
-    for sampling in "greedy:" "t07:--temperature 0.7 --seed 1"; do
-      mode="${sampling%%:*}" flags="${sampling#*:}"
-      for draft in smollm2-135m-instruct qwen2.5-coder-0.5b-instruct; do
+    for mode in $MODES; do
+      flags="${SAMPLING[$mode]}"
+      for draft in $DRAFTS; do
         if [ "$backend" = hf ]; then
           size=(--limit "$HF_LIMIT" --max-new-tokens "$HF_MAX_NEW" --dtype fp32)
           compare=(--compare hf)

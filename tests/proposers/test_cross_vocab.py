@@ -65,6 +65,16 @@ def test_tokens_are_compared_by_bytes():
     assert (8, 9) not in shared_tokens(plain.backend_tokenizer, draft.backend_tokenizer).pairs
 
 
+def test_a_piece_pairs_before_a_byte_token():
+    """A SentencePiece vocabulary holds "e" twice: as a piece and as the byte token <0x65>; the piece is what its
+    model predicts, so it is the one paired (a byte token only where no piece holds the byte)."""
+    byte, sp = byte_tokenizer(), sentencepiece_tokenizer()
+    for target, draft, side in ((byte, sp, 1), (sp, byte, 0)):
+        pairs = shared_tokens(target.backend_tokenizer, draft.backend_tokenizer).pairs
+        pieces = {sp.convert_ids_to_tokens(pair[side]) for pair in pairs}
+        assert {"e", "(", ","} <= pieces and "<0x65>" not in pieces and "<0x5A>" in pieces  # "Z": bytes only
+
+
 def test_share_warning():
     byte = byte_tokenizer()
     few = bpe_tokenizer(["a", "b", "Ġ"] + [f"x{i}" for i in range(10)])
@@ -104,6 +114,38 @@ def test_greedy_identical_to_plain(text_models, k, prompt):
         out = eng.generate(ids, max_new_tokens=40)
         assert out.token_ids == plain.token_ids
     assert out.stats.draft_forwards > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, seed=4)], ids=["greedy", "sampled"])
+def test_draft_tokens_spell_the_committed_text(text_models, params):
+    """After every generation the draft's tokens spell the target's text byte for byte: re-encoding running text
+    adds no space (the SentencePiece draft prepends one to a text it sees as new: only the sequence's start gets
+    it), drops nothing."""
+    target, draft, target_tok, draft_tok = text_models
+    eng = cross_engine(target, draft, target_tok, draft_tok, k=3)
+    table = eng.drafter.bridge.draft_bytes
+    for prompt in ["the quick brown fox", "hello world, this is", "the quick red fox"]:
+        out = eng.generate(target_tok.encode(prompt), params, max_new_tokens=30)
+        s = eng.drafter._slots[0]
+        eng.drafter._sync(0, s.seq)
+        assert bytes(s.text) == b"".join(eng.drafter.bridge.target_bytes[t] for t in s.seq.ids)
+        spelled = b"".join(table[i] for i in s.ids[: s.checked])
+        assert spelled == b" " + bytes(s.text[: s.spelled]), out.token_ids  # its one space: where a sequence opens
+        assert len(s.text) - s.spelled < 4  # at most an incomplete character waits
+
+
+def test_a_draft_past_its_context_stops_drafting(text_models):
+    """A draft whose context is shorter than the generation drafts while its tokens fit, then leaves the rounds
+    to the target: no error, greedy output as plain decoding's."""
+    target, _, target_tok, draft_tok = text_models
+    short = tiny_qwen2(33, vocab_size=len(draft_tok), init=0.1)
+    short.config.max_position_embeddings = 24
+    ids = target_tok.encode("the quick brown fox")
+    plain = SpeculativeGenerator(HFModel(target)).generate(ids, max_new_tokens=40)
+    eng = cross_engine(target, short, target_tok, draft_tok, k=3)
+    out = eng.generate(ids, max_new_tokens=40)
+    assert out.token_ids == plain.token_ids and 0 < out.stats.draft_forwards
+    assert eng.drafter.model.lengths[0] <= 24 and eng.drafter.source(0, eng.drafter._slots[0].seq) == "none"
 
 
 def test_eos_and_stops_exact(text_models):

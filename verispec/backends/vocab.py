@@ -76,7 +76,7 @@ class VocabBridge:
 
     def __init__(self, target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int,
                  device: torch.device) -> None:
-        from verispec.catalog.vocab import byte_tokens, shared_tokens, token_bytes
+        from verispec.catalog.vocab import byte_tokens, shared_tokens, token_bytes, without_prefix_space
 
         target, draft = (getattr(t, "backend_tokenizer", None) for t in (target_tokenizer, draft_tokenizer))
         if target is None or draft is None:
@@ -88,7 +88,9 @@ class VocabBridge:
         # each id's bytes, b"" for the ids a model's logits have beyond its tokenizer
         self.target_bytes = _padded(token_bytes(target), target_vocab)
         self.draft_bytes = _padded(token_bytes(draft), draft_vocab)
-        self._target, self._draft = target, draft
+        # running text (a draft's continuation, the text after a round) is encoded without a prepended space
+        self._target, self._draft, self._draft_start = without_prefix_space(target), without_prefix_space(draft), draft
+        self.draft_speaks = torch.tensor([bool(b) for b in self.draft_bytes], device=device)  # [Vd]: ids with text
         self.target_vocab = target_vocab
         t_ids, d_ids = zip(*pairs)
         self.target_ids = torch.tensor(t_ids, dtype=torch.long, device=device)  # [S]
@@ -109,9 +111,10 @@ class VocabBridge:
         return self.draft_index[tokens]
 
     def encode_target(self, text: str) -> list[int]:
-        """Text -> target token ids (special-token strings become their tokens, as in a chat template)."""
+        """Running text -> target token ids (special-token strings become their tokens, as in a chat template)."""
         return self._target.encode(text, add_special_tokens=False).ids
 
-    def encode_draft(self, text: str):
-        """Text -> the draft's encoding of it (`ids`, and `offsets`: each token's span in characters)."""
-        return self._draft.encode(text, add_special_tokens=False)
+    def encode_draft(self, text: str, start: bool = False):
+        """Text -> the draft's encoding of it (`ids`, and `offsets`: each token's span in characters); `start`: the
+        text opens a sequence (a space prepended where the tokenizer does so), else it continues running text."""
+        return (self._draft_start if start else self._draft).encode(text, add_special_tokens=False)

@@ -99,20 +99,58 @@ class SharedTokens:
 
 def shared_tokens(target, draft) -> SharedTokens:
     """The tokens a target's and a draft's `tokenizers.Tokenizer` both hold, matched by bytes (special tokens only
-    with special tokens); a string held by several ids of one vocabulary pairs through its lowest id."""
+    with special tokens), in target id order; a string held by several ids of one vocabulary pairs through one of
+    them (see _preferred_order)."""
     t_bytes, d_bytes = token_bytes(target), token_bytes(draft)
     t_special, d_special = special_ids(target), special_ids(draft)
     index: dict[tuple[bool, bytes], int] = {}
-    for i in range(len(d_bytes) - 1, -1, -1):
+    for i in reversed(_preferred_order(draft, len(d_bytes))):
         if d_bytes[i]:
             index[(i in d_special, d_bytes[i])] = i
     pairs, seen = [], set()
-    for i, b in enumerate(t_bytes):
-        key = (i in t_special, b)
-        if b and key in index and key not in seen:
+    for i in _preferred_order(target, len(t_bytes)):
+        key = (i in t_special, t_bytes[i])
+        if t_bytes[i] and key in index and key not in seen:
             seen.add(key)
             pairs.append((i, index[key]))
-    return SharedTokens(tuple(pairs), sum(1 for b in t_bytes if b), sum(1 for b in d_bytes if b))
+    return SharedTokens(tuple(sorted(pairs)), sum(1 for b in t_bytes if b), sum(1 for b in d_bytes if b))
+
+
+def _preferred_order(tokenizer, size: int) -> list[int]:
+    """Ids in the order a string held by several of them pairs: the lowest first, a SentencePiece byte token
+    (<0xNN>) after every other (it stands for the byte only where no piece holds it, so a model rarely predicts it
+    where a piece would do)."""
+    fallback = {i for t, i in tokenizer.get_vocab(with_added_tokens=True).items() if _BYTE_TOKEN.match(t)}
+    return sorted(range(size), key=lambda i: (i in fallback, i))
+
+
+def without_prefix_space(tokenizer):
+    """A copy of a `tokenizers.Tokenizer` that encodes a piece of running text as it stands: no space prepended
+    (SentencePiece's Prepend normaliser or Metaspace prepend_scheme, a byte-level add_prefix_space), so that text
+    continuing a word does not become a new word."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    def strip(node):
+        if isinstance(node, dict):
+            if node.get("type") == "Sequence" and "normalizers" in node:
+                node["normalizers"] = [n for n in node["normalizers"] if n.get("type") != "Prepend"]
+            if "prepend_scheme" in node:
+                node["prepend_scheme"] = "never"
+            if "add_prefix_space" in node:
+                node["add_prefix_space"] = False
+            for value in node.values():
+                strip(value)
+        elif isinstance(node, list):
+            for value in node:
+                strip(value)
+
+    spec = json.loads(tokenizer.to_str())
+    if isinstance(spec.get("normalizer"), dict) and spec["normalizer"].get("type") == "Prepend":
+        spec["normalizer"] = None
+    strip(spec)
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 @cache

@@ -130,7 +130,7 @@ class CrossVocabDraft:
                 at += 1
                 ends.append(at)
                 continue
-            enc = self.bridge.encode_draft(piece)
+            enc = self.bridge.encode_draft(piece, start=at == 0)
             size = len(piece.encode())
             run = list(accumulate((len(table[i]) for i in enc.ids), initial=at))[1:]
             if run and run[-1] != at + size:
@@ -171,7 +171,8 @@ class CrossVocabDraft:
         draft_bytes, j = self.bridge.draft_bytes, s.checked
         while j < len(s.ids):
             start = s.ends[j - 1] if j else 0
-            if s.ends[j] > len(s.text) or s.text[start : s.ends[j]] != draft_bytes[s.ids[j]]:
+            token = draft_bytes[s.ids[j]]
+            if not token or s.ends[j] > len(s.text) or s.text[start : s.ends[j]] != token:
                 break
             j += 1
         s.checked = j
@@ -204,13 +205,18 @@ class CrossVocabDraft:
         s.seq, s.seen, s.checked, s.params, s.generator = seq, shared, keep, params, generator
         self.model.rollback(slot, min(self.model.lengths[slot], keep))
 
+    def _fits(self, slot: int, k: int = 1) -> bool:
+        """Whether the slot's draft tokens and k drafts fit the draft's context (its tokens count the text apart
+        from the target's: past its context the draft stops drafting)."""
+        return len(self._slots[slot].ids) + k <= self.model.max_length
+
     def source(self, slot: int, seq: TokenSequence) -> str:
-        return Source.MODEL
+        return Source.MODEL if self._fits(slot) else Source.NONE
 
     def pending(self, slot: int, seq: TokenSequence) -> int:
         """Draft tokens the next propose would feed in a separate catch-up pass (0 when its first draft step feeds
         them: at most FEED_MAX)."""
-        if not self._sync(slot, seq):
+        if not self._sync(slot, seq) or not self._fits(slot):
             return 0
         behind = len(self._slots[slot].ids) - self.model.lengths[slot]
         return behind - 1 if behind > FEED_MAX else 0
@@ -218,9 +224,10 @@ class CrossVocabDraft:
     def catch_up(self, slot: int, seq: TokenSequence, limit: int | None = None) -> int:
         """Feed up to `limit` draft tokens of the committed text the cache has not seen, in one pass of this slot
         alone, always leaving the last one for the first draft step."""
-        self._sync(slot, seq)
+        if not self._sync(slot, seq) or not self._fits(slot):
+            return 0
         ids, at = self._slots[slot].ids, self.model.lengths[slot]
-        n = min(len(ids) - 1, self.model.max_length - 1) - at
+        n = len(ids) - 1 - at
         if limit is not None:
             n = min(n, limit)
         if n <= 0:
@@ -235,7 +242,7 @@ class CrossVocabDraft:
             if k <= 0 or not self._sync(slot, seq):
                 continue
             s = self._slots[slot]
-            if len(s.ids) + k > self.model.max_length:
+            if not self._fits(slot, k):
                 continue
             if self.pending(slot, seq):
                 self.catch_up(slot, seq)
@@ -252,8 +259,8 @@ class CrossVocabDraft:
                 slot, seq, _, _ = rows[i]
                 s = self._slots[slot]
                 presence, counts, tokens, probs = state[i]
-                if s.params.greedy:  # the draft's own next token
-                    token = row_logits.argmax(dim=-1)  # [1] draft id
+                if s.params.greedy:  # the draft's own next token, among those with text
+                    token = row_logits.masked_fill(~self.bridge.draft_speaks, float("-inf")).argmax(dim=-1)  # [1]
                     feeds[i] = token
                 else:
                     token, q = draft_token(self.bridge.to_target(row_logits), s.params, presence, counts,
@@ -274,9 +281,8 @@ class CrossVocabDraft:
             s, tokens, probs = self._slots[slot], state[i][2], state[i][3]
             if i in greedy_rows:
                 s.drafted, drawn = drawn[: len(tokens)], drawn[len(tokens) :]
-                target = self._retokenize(s.drafted)[:k]
-                if target:
-                    drafts[i] = Draft(device_tensor(target, seq.buffer.device), None, Source.MODEL, steps)
+                target = self._retokenize(s.drafted)[:k]  # none: the draft's forwards are still counted
+                drafts[i] = Draft(device_tensor(target, seq.buffer.device), None, Source.MODEL, steps)
             else:
                 drafts[i] = Draft(torch.cat(tokens), torch.cat(probs), Source.MODEL, steps)
         return drafts
