@@ -290,6 +290,39 @@ def _in_process_client(app):
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
+def test_a_draft_of_another_tokenizer_serves_batches(pair_dirs, tmp_path):
+    """A draft with a SentencePiece vocabulary behind the server: /v1/models says what the pair shares, and
+    concurrent greedy requests (decoded together) each get plain decoding's answer."""
+    import asyncio
+
+    from tiny import sentencepiece_tokenizer, tiny_qwen2
+
+    import verispec
+    from verispec.apps.server.app import ServerSettings, create_app
+
+    target, _ = pair_dirs
+    other = tmp_path / "sp-draft"
+    tok = sentencepiece_tokenizer()
+    tiny_qwen2(7, vocab_size=len(tok)).save_pretrained(other)
+    tok.save_pretrained(other)
+    pipe = verispec.load(target, draft=str(other), drafter="model", k=3, backend="hf", dtype="fp32", device="cpu")
+    plain = verispec.load(target, drafter=None, backend="hf", dtype="fp32", device="cpu")
+    prompts = ["hello", "the quick brown", "def f(x):", "abc"]
+    want = [plain.generate(p, max_new_tokens=16).text for p in prompts]
+    app = create_app(pipe, ServerSettings(model_names=(MODEL,), max_batch=4))
+
+    async def run():
+        async with app.router.lifespan_context(app), _in_process_client(app) as http:
+            models = (await http.get("/v1/models")).json()["data"][0]["verispec"]
+            body = [{"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0} for p in prompts]
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in body))
+            return models, [r.json()["choices"][0]["text"] for r in replies]
+
+    models, texts = asyncio.run(run())
+    assert "tokens in common" in models["shared_vocab"] and models["max_batch"] == 4
+    assert texts == want
+
+
 def test_tokenisation_does_not_block_the_event_loop(pair_dirs):
     """While a slow tokenisation runs (here 1 s), /health still answers at once."""
     import asyncio

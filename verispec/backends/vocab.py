@@ -65,7 +65,9 @@ def restrict_head(model: nn.Module, ids: torch.Tensor) -> nn.Module:
 
 
 def _padded(table: list[bytes], size: int) -> list[bytes]:
-    return table + [b""] * (size - len(table))
+    """A tokenizer's bytes per id sized to its model's logits: ids past them dropped (the model never produces
+    them), ids the tokenizer lacks b""."""
+    return table[:size] + [b""] * (size - len(table))
 
 
 class VocabBridge:
