@@ -76,6 +76,18 @@ def test_draft_of_another_tokenizer_generates_the_targets_tokens(pair_dirs, tmp_
     assert "tokens in common" in crossed["shared_vocab"] and plain["shared_vocab"] is None
 
 
+def test_token_trees_refuse_a_draft_of_another_tokenizer(pair_dirs, tmp_path, capsys):
+    target, _ = pair_dirs
+    other = tmp_path / "other-tree"
+    tok = sentencepiece_tokenizer()
+    tiny_qwen2(5, vocab_size=len(tok)).save_pretrained(other)
+    tok.save_pretrained(other)
+    assert main(["generate", "--target", target, "--draft", str(other), "--drafter", "tree", "--prompt", "a",
+                 "--dtype", "fp32", "--device", "cpu"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (saving the models printed progress before it)
+    assert err == "verispec: error: token trees need a draft of the target's vocabulary [--drafter]"
+
+
 def test_a_pair_sharing_few_tokens_warns_on_one_line(pair_dirs, tmp_path, capsys):
     target, _ = pair_dirs
     other = tmp_path / "few"

@@ -25,6 +25,7 @@ from verispec.backends import HFModel
 from verispec.backends.base import Model
 from verispec.backends.lean import LeanBatch, lean_unsupported
 from verispec.backends.loading import DTYPES, eog_token_ids
+from verispec.backends.vocab import same_vocabulary
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.names.drafters import BACKEND_NAMES
 from verispec.names.errors import SpecError
@@ -52,8 +53,9 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     target's backend, else default_k). Models come
     from `store` (a fresh one when None): pipelines built on one store share the models their specs have in
     common (see ModelStore for the reset rule). A draft model of another tokenizer drafts through a VocabBridge
-    (verispec.proposers.cross_vocab), with a warning when the two share too few tokens for drafting to help. Generation ends at the configured EOS ids and at every token llama.cpp treats as
-    the end of generation, on every backend alike."""
+    (verispec.proposers.cross_vocab), with a warning when the two share too few tokens for drafting to help.
+    Generation ends at the configured EOS ids and at every token llama.cpp treats as the end of generation, on
+    every backend alike."""
     if k is not None:
         check_k(k)
     backend, reason = resolve_target_backend(target)
@@ -84,7 +86,7 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     t0 = time.perf_counter()
     tokenizer = target.tokenizer if target.tokenizer is not None else store.tokenizer(target.model)
     draft_tokenizer = store.tokenizer(draft.model) if has_model and not is_loaded(draft.model) else tokenizer
-    cross = draft_tokenizer.get_vocab() != tokenizer.get_vocab()  # a draft of another tokenizer
+    cross = not same_vocabulary(tokenizer, draft_tokenizer)  # a draft of another tokenizer
     if cross and tree:
         raise SpecError("token trees need a draft of the target's vocabulary", "draft.drafter")
     times["tokenizers"] = time.perf_counter() - t0
@@ -99,8 +101,9 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         times["draft"] = time.perf_counter() - t0
     if cross:
         bridge = store.bridge(tokenizer, draft_tokenizer, target_model.vocab_size, draft_model.vocab_size, device)
-        if bridge.shared.warning() is not None:
-            warnings.warn(bridge.shared.warning(), stacklevel=2)
+        warning = bridge.shared.warning()
+        if warning is not None:
+            warnings.warn(warning, stacklevel=2)
     if tree:
         target_model, draft_model = _tree_models(target_model, draft_model)
     vocab = bridge if bridge is not None else target_model.vocab_size

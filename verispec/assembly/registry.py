@@ -112,18 +112,13 @@ def _suffixes(slots: int) -> LookupDrafter:
 
 
 # a drafter's view of the target's vocabulary: its size, or the bridge from a draft model of another tokenizer
+# (build refuses a token tree over a bridge)
 Vocab = int | VocabBridge
 
 
 def _model_drafter(model: Model, vocab: Vocab) -> Drafter:
     """A draft model's drafter: of the target's vocabulary, or of another one through its bridge."""
     return CrossVocabDraft(model, vocab) if isinstance(vocab, VocabBridge) else DraftModel(model, vocab)
-
-
-def _tree(model: Model, vocab: Vocab) -> Drafter:
-    if isinstance(vocab, VocabBridge):
-        raise SpecError("token trees need a draft of the target's vocabulary", "draft.drafter", runtime=True)
-    return TreeDraftModel(model, vocab)
 
 
 @dataclass(frozen=True)
@@ -145,6 +140,6 @@ DRAFTERS: dict[str, DrafterEntry] = {
                            needs_model=True),
     "hybrid-suffix": DrafterEntry(
         lambda model, vocab, slots: HybridDrafter(_suffixes(slots), _model_drafter(model, vocab)), needs_model=True),
-    "tree": DrafterEntry(lambda model, vocab, slots: _tree(model, vocab), needs_model=True,
+    "tree": DrafterEntry(lambda model, vocab, slots: TreeDraftModel(model, vocab), needs_model=True,
                          auto_policy=lambda k_max: TreeBudget()),
 }

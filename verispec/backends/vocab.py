@@ -64,6 +64,11 @@ def restrict_head(model: nn.Module, ids: torch.Tensor) -> nn.Module:
     return model
 
 
+def same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:
+    """Whether two transformers tokenizers hold the same tokens under the same ids (else a draft needs a bridge)."""
+    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+
+
 def _padded(table: list[bytes], size: int) -> list[bytes]:
     """A tokenizer's bytes per id sized to its model's logits: ids past them dropped (the model never produces
     them), ids the tokenizer lacks b""."""

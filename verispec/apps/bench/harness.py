@@ -18,6 +18,7 @@ from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.assembly.store import ModelStore
 from verispec.backends import HFModel
 from verispec.backends.quant import QUANT_MODES
+from verispec.backends.vocab import same_vocabulary
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
 from verispec.names.drafters import DRAFT_FORWARDS
@@ -135,7 +136,7 @@ class Bench:
         draft = self.resolved_draft()
         target_tok = self.baseline.tokenizer
         draft_tok = self.store.tokenizer(draft.model)
-        if draft_tok.get_vocab() == target_tok.get_vocab():
+        if same_vocabulary(target_tok, draft_tok):
             return {}
         return {"tokenizer": target_tok, "assistant_tokenizer": draft_tok}
 

@@ -55,7 +55,8 @@ def cmd_models(args) -> int:
             print(f"  {name:<30} {spec.size / 2**20:8.1f} MiB GGUF  {state}{tag}")
             shared = catalog.installed_tokens(name) if path is not None else None
             if shared is not None:
-                print(f"  {'':<30} another tokenizer than the default target's: drafts for it through {shared.describe()}")
+                print(f"  {'':<30} another tokenizer than the default target's: drafts for it through "
+                      f"{shared.describe()}")
         return 0
     if args.all and (args.action != "pull" or args.names):
         raise UsageError("--all goes with `models pull` and no names")
