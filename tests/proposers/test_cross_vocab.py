@@ -4,6 +4,8 @@ under other ids, batches, and the pipeline that builds such a pair."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from stats_util import chi2_pvalue, generation_histograms
@@ -25,7 +27,7 @@ from verispec.catalog.vocab import shared_tokens, token_bytes
 from verispec.core.sampling import SamplingParams, probs_from_logits
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.decoding.policies.cost_aware import CostAwareK
-from verispec.proposers.cross_vocab import CrossVocabDraft, text_pieces
+from verispec.proposers.cross_vocab import EXPLORE, CrossVocabDraft, WayChoice, text_pieces
 
 CPU = torch.device("cpu")
 # two small byte-level BPE vocabularies over the same text: 6 tokens in common, each with tokens the other lacks
@@ -35,15 +37,15 @@ DRAFT_VOCAB = ["Ġ", "d", "c", "b", "a", "ab", "abc", "da", "Ġa"]
 DRAFT_MERGES = [("a", "b"), ("ab", "c"), ("d", "a"), ("Ġ", "a")]
 
 
-def cross_engine(target, draft, target_tok, draft_tok, k=3, eos=(), slots=1) -> SpeculativeGenerator:
+def cross_engine(target, draft, target_tok, draft_tok, k=3, eos=(), slots=1, sampled="auto") -> SpeculativeGenerator:
     """An engine whose draft speaks `draft_tok` and the target `target_tok` (transformers models; slots > 1: both
-    on the lean path)."""
+    on the lean path); `sampled`: how sampled rows draft."""
     if slots == 1:
         t, d = HFModel(target), HFModel(draft)
     else:
         t, d = LeanBatch(LeanNet(target), slots), LeanBatch(LeanNet(draft), slots)
     bridge = VocabBridge(target_tok, draft_tok, t.vocab_size, d.vocab_size, CPU)
-    return SpeculativeGenerator(t, CrossVocabDraft(d, bridge), eos_token_ids=eos, num_draft_tokens=k,
+    return SpeculativeGenerator(t, CrossVocabDraft(d, bridge, sampled), eos_token_ids=eos, num_draft_tokens=k,
                                 auto_policy=CostAwareK())
 
 
@@ -173,9 +175,11 @@ def permuted_pair():
                          ids=["greedy", "sampled"])
 def test_same_model_under_other_ids_accepts_everything(permuted_pair, params):
     """Each draft token is the target's own choice only when the draft reads the committed text exactly (its
-    tokens spell it) and q maps onto the right target ids: a shifted context or a wrong map drops acceptance."""
+    tokens spell it) and q maps onto the right target ids: a shifted context or a wrong map drops acceptance.
+    (Sampled rows draft over the shared tokens here: by text, a token is accepted with the target's probability
+    of the argmax.)"""
     target, draft, target_tok, draft_tok = permuted_pair
-    eng = cross_engine(target, draft, target_tok, draft_tok, k=4)
+    eng = cross_engine(target, draft, target_tok, draft_tok, k=4, sampled="shared")
     for prompt in ["def f(x):", "def f(x): return", "naïve café"]:
         out = eng.generate(target_tok.encode(prompt), params, max_new_tokens=48)
         assert out.stats.drafted >= 24 and out.stats.accepted >= 0.97 * out.stats.drafted, out.stats
@@ -234,22 +238,27 @@ def _exact(model, params: SamplingParams, steps: int) -> list[torch.Tensor]:
     return marginals
 
 
-def _histograms(small_pair, params: SamplingParams, n: int, steps: int) -> tuple[torch.Tensor, int]:
+def _histograms(small_pair, params: SamplingParams, n: int, steps: int, sampled: str = "shared"
+                ) -> tuple[torch.Tensor, int]:
     target, draft, target_tok, draft_tok = small_pair
-    eng = cross_engine(target, draft, target_tok, draft_tok, k=2)
+    eng = cross_engine(target, draft, target_tok, draft_tok, k=2, sampled=sampled)
     counts, _, accepted = generation_histograms(eng, PROMPT, params, n, steps, 8)
     return counts, accepted
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5)],
-                         ids=["temperature", "top_k"])
-def test_marginals_match_target(small_pair, params):
+@pytest.mark.parametrize("params, sampled", [(SamplingParams(temperature=1.0), "shared"),
+                                             (SamplingParams(temperature=1.0), "auto"),
+                                             (SamplingParams(temperature=0.8, top_k=5), "shared"),
+                                             (SamplingParams(temperature=0.8, top_k=5), "text")],
+                         ids=["temperature-shared", "temperature-auto", "top_k-shared", "top_k-text"])
+def test_marginals_match_target(small_pair, params, sampled):
     """Tokens 1-3 of speculative generations with a draft of another vocabulary (k = 2) follow the target's exact
-    marginals. V = 8, N = 3000; false-failure probability 3 x ALPHA. The draft's tokens are accepted often enough
+    marginals, whichever way sampled rows draft (auto: a request's first round by text, its second over the
+    shared tokens). V = 8, N = 3000; false-failure probability 3 x ALPHA. The draft's tokens are accepted often enough
     for the test to see them."""
     exact = _exact(small_pair[0], params, 3)
-    counts, accepted = _histograms(small_pair, params, 3000, 3)
-    assert accepted > 1500
+    counts, accepted = _histograms(small_pair, params, 3000, 3, sampled)
+    assert accepted > 1000
     for pos in range(3):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
@@ -262,7 +271,7 @@ def test_penalised_marginals_match_target(small_pair, monkeypatch):
     params = SamplingParams(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.8, min_tokens=2,
                             stop_ids=(0, 5))
     exact = _penalised_marginals(small_pair[0], params, 3)
-    counts, _ = _histograms(small_pair, params, 1500, 3)
+    counts, _ = _histograms(small_pair, params, 1500, 3, "auto")
     for pos in range(3):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
@@ -284,3 +293,36 @@ def test_negative_control_q_not_restricted(small_pair, monkeypatch):
     exact = _exact(small_pair[0], params, 2)
     counts, _ = _histograms(small_pair, params, 1500, 2)
     assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(2)) < ALPHA
+
+
+# -- how sampled rows draft --------------------------------------------------------------------------------
+
+
+def test_way_choice_follows_acceptance():
+    """'auto' drafts the way accepted at the higher rate, the other in about EXPLORE * sqrt(rounds) of the rounds,
+    and turns when the rates do; a fixed way never changes; an unknown one is refused."""
+    assert {WayChoice("text").pick() for _ in range(20)} == {"text"}
+    assert {WayChoice("shared").pick() for _ in range(20)} == {"shared"}
+    with pytest.raises(ValueError, match="unknown way"):
+        WayChoice("argmax")
+    ways = WayChoice()
+    for _ in range(100):
+        way = ways.pick()
+        ways.record(way, 4, 3 if way == "text" else 0)
+    assert EXPLORE * math.sqrt(100) <= ways.count["shared"] <= EXPLORE * math.sqrt(100) + 1, ways.count
+    for _ in range(10):
+        ways.record("shared", 4, 4)
+    picks = [ways.pick() for _ in range(20)]
+    assert picks == ["shared"] * 20 and ways.rate("shared") > ways.rate("text")  # text has its share already
+
+
+def test_auto_drafts_the_way_accepted_more(permuted_pair):
+    """A draft that is the target under other ids: its shared-token q is the target's p (every draft accepted), its
+    argmax only with p's probability of it, so a sampled request's rounds go mostly over the shared tokens."""
+    target, draft, target_tok, draft_tok = permuted_pair
+    eng = cross_engine(target, draft, target_tok, draft_tok, k=4)
+    out = eng.generate(target_tok.encode("def f(x):"), SamplingParams(temperature=1.0, seed=5), max_new_tokens=96)
+    ways = eng.drafter._slots[0].ways
+    assert ways.rate("shared") > ways.rate("text"), (ways.accepted, ways.rejected)
+    assert ways.count["shared"] > 2 * ways.count["text"], ways.count
+    assert sum(ways.count.values()) == out.stats.rounds  # every round drafted, and was counted

@@ -3,15 +3,20 @@
 The two models meet on text. Each slot keeps its committed sequence as bytes and the draft's tokens spelling them
 (the target's new tokens are appended as bytes each round and the new text is encoded with the draft's tokenizer;
 the draft's cache keeps the tokens that still spell the text, so a round costs the new text, not the whole
-sequence). Then, per row:
+sequence). A row drafts one of two ways:
 
-- sampled (temperature > 0): the draft's distribution restricted to the tokens both vocabularies hold
+- shared (sampled rows only): the draft's distribution restricted to the tokens both vocabularies hold
   (verispec.catalog.vocab), mapped to target ids and processed like the target's (temperature, top-k/p, the
   penalties over the target's tokens): q, exact in target ids, so that the ordinary rejection sampler keeps the
   output distributed as the target's. The draft feeds itself the draft id of each token it drew.
-- greedy: the draft decodes k tokens of its own (its whole vocabulary), their text is encoded with the target's
-  tokenizer and the first k target tokens are the draft, one-hot (a deterministic function of the context, so
-  exact under any verification). This reads the draft tokens on the host once per round.
+- text: the draft decodes k tokens of its own (its whole vocabulary, argmax), their text is encoded with the
+  target's tokenizer and the first k target tokens are the draft, one-hot (a deterministic function of the
+  context, so exact under any verification, greedy or sampled). This reads the draft tokens on the host once per
+  round.
+
+Greedy rows draft by text. Sampled rows draft the way WayChoice picks: which is accepted more depends on the pair,
+the text and the temperature (a peaked target accepts the draft's argmax often; where the tokenizers split text
+alike and the target is flat, the shared-token distribution wins).
 
 A row whose committed text ends inside a character the draft's tokens cannot yet spell, or whose draft-side
 sequence would not fit the draft's context, drafts nothing that round.
@@ -19,6 +24,7 @@ sequence would not fit the draft's context, drafts nothing that round.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -38,6 +44,8 @@ from verispec.proposers.draft_model import after_token, draft_step, draft_token
 from verispec.proposers.lookup import no_draft
 
 FEED_MAX = 4  # draft-side tokens a first draft step feeds at most; more are caught up in a pass of their own
+SAMPLED_WAYS = ("auto", "shared", "text")  # how sampled rows draft (see WayChoice)
+EXPLORE = 0.5  # a request's worse way still drafts EXPLORE * sqrt(rounds) of its sampled rounds
 
 
 def text_pieces(data: bytes) -> tuple[list[str | int], int]:
@@ -77,6 +85,42 @@ def encode_bytes(data: bytes, encode, single: dict[int, int]) -> tuple[list[int]
     return ids, covered
 
 
+class WayChoice:
+    """Which way one request's sampled rounds draft: 'shared' or 'text' (see the module docstring), or, for
+    'auto', the way whose draft tokens the target has accepted at the higher rate so far (accepted over accepted
+    plus rejected, with one of each assumed at the start), trying the other way whenever it has drafted fewer than
+    EXPLORE * sqrt(rounds) rounds: the worse way keeps being measured, ever more rarely. The choice depends only
+    on the request's own rounds already verified: each round's q is the distribution its tokens came from (the
+    output stays exact), and a seeded request drafts, hence samples, alike whatever its batch mates."""
+
+    def __init__(self, way: str = "auto") -> None:
+        if way not in SAMPLED_WAYS:
+            raise ValueError(f"unknown way of drafting sampled rows '{way}' (use {', '.join(SAMPLED_WAYS)})")
+        self.way = way
+        self.accepted = {"text": 1, "shared": 1}
+        self.rejected = {"text": 1, "shared": 1}
+        self.count = {"text": 0, "shared": 0}
+        self.rounds = 0
+
+    def rate(self, way: str) -> float:
+        return self.accepted[way] / (self.accepted[way] + self.rejected[way])
+
+    def pick(self) -> str:
+        """The way the next sampled round drafts."""
+        if self.way != "auto":
+            return self.way
+        self.rounds += 1
+        best = max(self.count, key=self.rate)
+        other = "shared" if best == "text" else "text"
+        return other if self.count[other] < EXPLORE * math.sqrt(self.rounds) else best
+
+    def record(self, way: str, drafted: int, accepted: int) -> None:
+        """A verified sampled round of `way`: `accepted` of its `drafted` tokens were accepted."""
+        self.count[way] += 1
+        self.accepted[way] += accepted
+        self.rejected[way] += accepted < drafted
+
+
 @dataclass
 class Spelling:
     """One slot's draft-side view of its committed sequence: the target tokens seen so far as `text` (bytes), and
@@ -91,7 +135,9 @@ class Spelling:
     checked: int = 0
     base: int = 0  # len(ids) when the round's drafts started
     seq_base: int = 0  # len(seq) then
-    drafted: list[int] | None = None  # greedy: the round's draft tokens (draft ids); None: no round in flight
+    drafted: list[int] | None = None  # by text: the round's draft tokens (draft ids); None: no round in flight
+    by_text: bool = False  # the round in flight drafts by text (else over the shared tokens)
+    ways: WayChoice = field(default_factory=WayChoice)
     params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
 
@@ -104,11 +150,13 @@ class Spelling:
 class CrossVocabDraft:
     """Drafts with `model` (a Model of as many slots as the round's target, in the draft's own vocabulary) for a
     target of another vocabulary, through `bridge` (verispec.backends.vocab.VocabBridge). Follows the Drafter
-    protocol (verispec.proposers.base) like DraftModel; see the module docstring for what it drafts."""
+    protocol (verispec.proposers.base) like DraftModel; see the module docstring for what it drafts. `sampled`:
+    how sampled rows draft, a name in SAMPLED_WAYS (see WayChoice)."""
 
-    def __init__(self, model: Model, bridge: VocabBridge) -> None:
+    def __init__(self, model: Model, bridge: VocabBridge, sampled: str = "auto") -> None:
         self.model = model
         self.bridge = bridge
+        self.sampled = WayChoice(sampled).way
         self.vocab_size = bridge.target_vocab
         self._slots = [Spelling() for _ in range(model.slots)]
 
@@ -143,8 +191,8 @@ class CrossVocabDraft:
         return ids, ends
 
     def _close_round(self, s: Spelling, slot: int) -> None:
-        """A round's drafts end up in ids: a greedy round's all (the cache was fed all but the last), a sampled
-        round's only those committed (the cache is cut to them)."""
+        """A round's drafts end up in ids: a round by text all (the cache was fed all but the last), a round over
+        the shared tokens only those committed (the cache is cut to them)."""
         if s.drafted is None:
             return
         if s.drafted:
@@ -203,6 +251,7 @@ class CrossVocabDraft:
         keep = bisect_right(s.ends, nbytes, hi=s.checked)
         del s.ids[keep:], s.ends[keep:], s.text[nbytes:]
         s.seq, s.seen, s.checked, s.params, s.generator = seq, shared, keep, params, generator
+        s.ways = WayChoice(self.sampled)
         self.model.rollback(slot, min(self.model.lengths[slot], keep))
 
     def _fits(self, slot: int, k: int = 1) -> bool:
@@ -249,8 +298,8 @@ class CrossVocabDraft:
             live.append(i)
             feeds[i] = device_tensor(s.ids[self.model.lengths[slot] :], self.model.device)
             s.base, s.seq_base, s.drafted = len(s.ids), len(seq), []
-            greedy = s.params.greedy
-            state[i] = (*((None, None) if greedy else penalty_state(seq, s.params, self.vocab_size)), [], [])
+            s.by_text = s.params.greedy or s.ways.pick() == "text"
+            state[i] = (*((None, None) if s.by_text else penalty_state(seq, s.params, self.vocab_size)), [], [])
         rounds = dict.fromkeys(live, 0)
         step = 0
         while live:
@@ -259,7 +308,7 @@ class CrossVocabDraft:
                 slot, seq, _, _ = rows[i]
                 s = self._slots[slot]
                 presence, counts, tokens, probs = state[i]
-                if s.params.greedy:  # the draft's own next token, among those with text
+                if s.by_text:  # the draft's own next token, among those with text
                     token = row_logits.masked_fill(~self.bridge.draft_speaks, float("-inf")).argmax(dim=-1)  # [1]
                     feeds[i] = token
                 else:
@@ -273,13 +322,13 @@ class CrossVocabDraft:
                 rounds[i] += 1
             step += 1
             live = [i for i in live if rows[i][2] > step]
-        greedy_rows = [i for i in rounds if self._slots[rows[i][0]].params.greedy]
-        if greedy_rows:  # the one host read of the greedy rows' draft tokens
-            drawn = torch.cat([torch.cat(state[i][2]) for i in greedy_rows]).tolist()
+        text_rows = [i for i in rounds if self._slots[rows[i][0]].by_text]
+        if text_rows:  # the one host read of the draft tokens of the rows drafting by text
+            drawn = torch.cat([torch.cat(state[i][2]) for i in text_rows]).tolist()
         for i, steps in rounds.items():
             slot, seq, k, _ = rows[i]
             s, tokens, probs = self._slots[slot], state[i][2], state[i][3]
-            if i in greedy_rows:
+            if i in text_rows:
                 s.drafted, drawn = drawn[: len(tokens)], drawn[len(tokens) :]
                 target = self._retokenize(s.drafted)[:k]  # none: the draft's forwards are still counted
                 drafts[i] = Draft(device_tensor(target, seq.buffer.device), None, Source.MODEL, steps)
@@ -294,10 +343,13 @@ class CrossVocabDraft:
         return encode_bytes(data, self.bridge.encode_target, self.bridge.target_byte_ids)[0]
 
     def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
-        """A sampled round's accepted drafts are shared tokens: their draft ids join the draft tokens (a greedy
-        round's draft tokens joined at propose; the next sync checks them against the text)."""
+        """A round over the shared tokens: its accepted drafts' draft ids join the draft tokens (a round by text
+        joined its draft tokens at propose; the next sync checks them against the text). A sampled round tells
+        the way choice how many of its drafts were accepted."""
         s = self._slots[slot]
-        if s.drafted is not None and not s.params.greedy:
+        if s.drafted is not None and drafted and not s.params.greedy:
+            s.ways.record("text" if s.by_text else "shared", drafted, accepted)
+        if s.drafted is not None and not s.by_text:
             s.drafted = [self.bridge.draft_of[t] for t in seq.ids[s.seq_base : s.seq_base + accepted]]
         self._close_round(s, slot)
 
