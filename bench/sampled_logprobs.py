@@ -3,7 +3,7 @@
 distribution, of each token emitted over seeded samples, with its standard error, for plain decoding, verispec
 with a draft (each way a draft of another tokenizer drafts sampled rows) and, on transformers, transformers' own
 assisted generation with the same draft (its different-tokenizer generator when the tokenizers differ). A lossless
-decoder's mean agrees with plain decoding's within the errors; one that accepts drafts the target would not emit
+decoder's mean agrees with plain decoding's within the errors (the spread of the samples' means); one that accepts drafts the target would not emit
 falls below it. (The exactness tests are the chi-square tests on tiny models; this is the real pair's check.)
 
     python bench/sampled_logprobs.py [--backend llamacpp|hf] [--draft smollm2-135m-instruct] [--limit 6]
@@ -34,7 +34,7 @@ def hf_assisted(bench: Bench, ids: list[int], params: SamplingParams, max_new: i
     """Transformers' assisted generation of the target with the bench's draft, each new token scored by the target
     (log-softmax of its logits at the temperature)."""
     model = bench.baseline.generator.target.model
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=bench.baseline.device)
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
@@ -71,12 +71,15 @@ def main() -> None:
           f"{args.seeds} seeds x {args.max_new_tokens} tokens")
     for arm in arms:
         logprobs: list[float] = []
+        means: list[float] = []  # one per sample: tokens within a sample are not independent
         for p in prompts:
             ids = encode_prompt(plain.tokenizer, p.text, p.chat)
             for seed in range(args.seeds):
                 params = SamplingParams(temperature=args.temperature, seed=seed)
                 if arm == "transformers assisted":
-                    logprobs += hf_assisted(bench, ids, params, args.max_new_tokens, seed)
+                    sample = hf_assisted(bench, ids, params, args.max_new_tokens, seed)
+                    logprobs += sample
+                    means.append(statistics.mean(sample))
                     continue
                 pipe = plain if arm == "plain" else spec
                 if isinstance(pipe.generator.drafter, CrossVocabDraft):
@@ -85,9 +88,12 @@ def main() -> None:
                 out = pipe.generator.generate(Request(prompt_ids=tuple(ids), params=params,
                                                       max_new_tokens=args.max_new_tokens, logprobs=0))
                 logprobs += [lp for lp, _ in out.logprobs]
-        mean, err = statistics.mean(logprobs), statistics.stdev(logprobs) / math.sqrt(len(logprobs))
+                means.append(statistics.mean(lp for lp, _ in out.logprobs))
+        mean = statistics.mean(logprobs)
+        err = statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else float("nan")
         rare = sum(lp < math.log(1e-4) for lp in logprobs)
-        print(f"{arm:>24}: mean log p {mean:7.3f} +- {err:.3f} over {len(logprobs)} tokens; p < 1e-4: {rare}",
+        print(f"{arm:>24}: mean log p {mean:7.3f} +- {err:.3f} (over {len(means)} samples' means), "
+              f"{len(logprobs)} tokens; p < 1e-4: {rare}",
               flush=True)
 
 

@@ -253,8 +253,8 @@ def _histograms(small_pair, params: SamplingParams, n: int, steps: int, sampled:
                          ids=["temperature-shared", "temperature-auto", "top_k-shared", "top_k-text"])
 def test_marginals_match_target(small_pair, params, sampled):
     """Tokens 1-3 of speculative generations with a draft of another vocabulary (k = 2) follow the target's exact
-    marginals, whichever way sampled rows draft (auto: a request's first round by text, its second over the
-    shared tokens). V = 8, N = 3000; false-failure probability 3 x ALPHA. The draft's tokens are accepted often enough
+    marginals, whichever way sampled rows draft (auto: a request's first round over the shared tokens, its
+    second by text). V = 8, N = 3000; false-failure probability 3 x ALPHA. The draft's tokens are accepted often enough
     for the test to see them."""
     exact = _exact(small_pair[0], params, 3)
     counts, accepted = _histograms(small_pair, params, 3000, 3, sampled)
@@ -314,6 +314,17 @@ def test_way_choice_follows_acceptance():
         ways.record("shared", 4, 4)
     picks = [ways.pick() for _ in range(20)]
     assert picks == ["shared"] * 20 and ways.rate("shared") > ways.rate("text")  # text has its share already
+
+
+def test_a_way_that_drafts_nothing_loses():
+    """Rounds by text that draft nothing (k draft tokens inside one character) count as rejections, so 'auto'
+    leaves them for the shared tokens even when those are accepted rarely."""
+    ways = WayChoice()
+    for _ in range(60):
+        way = ways.pick()
+        drafted, accepted = (0, 0) if way == "text" else (4, 1)
+        ways.record(way, drafted, accepted)
+    assert ways.count["shared"] > 3 * ways.count["text"], ways.count
 
 
 def test_auto_drafts_the_way_accepted_more(permuted_pair):

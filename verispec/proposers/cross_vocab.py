@@ -115,10 +115,11 @@ class WayChoice:
         return other if self.count[other] < EXPLORE * math.sqrt(self.rounds) else best
 
     def record(self, way: str, drafted: int, accepted: int) -> None:
-        """A verified sampled round of `way`: `accepted` of its `drafted` tokens were accepted."""
+        """A verified sampled round of `way`: `accepted` of its `drafted` tokens were accepted (a round that drafted
+        nothing, as by text when k draft tokens end inside a character, counts as a rejection)."""
         self.count[way] += 1
         self.accepted[way] += accepted
-        self.rejected[way] += accepted < drafted
+        self.rejected[way] += drafted == 0 or accepted < drafted
 
 
 @dataclass
@@ -135,7 +136,9 @@ class Spelling:
     checked: int = 0
     base: int = 0  # len(ids) when the round's drafts started
     seq_base: int = 0  # len(seq) then
-    drafted: list[int] | None = None  # by text: the round's draft tokens (draft ids); None: no round in flight
+    # the round's draft tokens (draft ids): by text, all of them from propose; over the shared tokens, [] until
+    # observe gives the accepted ones; None: no round in flight
+    drafted: list[int] | None = None
     by_text: bool = False  # the round in flight drafts by text (else over the shared tokens)
     ways: WayChoice = field(default_factory=WayChoice)
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -156,7 +159,9 @@ class CrossVocabDraft:
     def __init__(self, model: Model, bridge: VocabBridge, sampled: str = "auto") -> None:
         self.model = model
         self.bridge = bridge
-        self.sampled = WayChoice(sampled).way
+        if sampled not in SAMPLED_WAYS:
+            raise ValueError(f"unknown way of drafting sampled rows '{sampled}' (use {', '.join(SAMPLED_WAYS)})")
+        self.sampled = sampled
         self.vocab_size = bridge.target_vocab
         self._slots = [Spelling() for _ in range(model.slots)]
 
@@ -344,10 +349,10 @@ class CrossVocabDraft:
 
     def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
         """A round over the shared tokens: its accepted drafts' draft ids join the draft tokens (a round by text
-        joined its draft tokens at propose; the next sync checks them against the text). A sampled round tells
-        the way choice how many of its drafts were accepted."""
+        joined its draft tokens at propose; the next sync checks them against the text). Every sampled round
+        tells the request's way choice how many of its drafts were accepted."""
         s = self._slots[slot]
-        if s.drafted is not None and drafted and not s.params.greedy:
+        if s.drafted is not None and not s.params.greedy:
             s.ways.record("text" if s.by_text else "shared", drafted, accepted)
         if s.drafted is not None and not s.by_text:
             s.drafted = [self.bridge.draft_of[t] for t in seq.ids[s.seq_base : s.seq_base + accepted]]
