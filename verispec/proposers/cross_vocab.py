@@ -85,6 +85,13 @@ def encode_bytes(data: bytes, encode, single: dict[int, int]) -> tuple[list[int]
     return ids, covered
 
 
+def sampled_way(way: str) -> str:
+    """`way` when it names a way sampled rows draft (SAMPLED_WAYS), else ValueError."""
+    if way not in SAMPLED_WAYS:
+        raise ValueError(f"unknown way of drafting sampled rows '{way}' (use {', '.join(SAMPLED_WAYS)})")
+    return way
+
+
 class WayChoice:
     """Which way one request's sampled rounds draft: 'shared' or 'text' (see the module docstring), or, for
     'auto', the way whose draft tokens the target has accepted at the higher rate so far (accepted over accepted
@@ -94,9 +101,7 @@ class WayChoice:
     output stays exact), and a seeded request drafts, hence samples, alike whatever its batch mates."""
 
     def __init__(self, way: str = "auto") -> None:
-        if way not in SAMPLED_WAYS:
-            raise ValueError(f"unknown way of drafting sampled rows '{way}' (use {', '.join(SAMPLED_WAYS)})")
-        self.way = way
+        self.way = sampled_way(way)
         self.accepted = {"text": 1, "shared": 1}
         self.rejected = {"text": 1, "shared": 1}
         self.count = {"text": 0, "shared": 0}
@@ -159,9 +164,7 @@ class CrossVocabDraft:
     def __init__(self, model: Model, bridge: VocabBridge, sampled: str = "auto") -> None:
         self.model = model
         self.bridge = bridge
-        if sampled not in SAMPLED_WAYS:
-            raise ValueError(f"unknown way of drafting sampled rows '{sampled}' (use {', '.join(SAMPLED_WAYS)})")
-        self.sampled = sampled
+        self.sampled = sampled_way(sampled)
         self.vocab_size = bridge.target_vocab
         self._slots = [Spelling() for _ in range(model.slots)]
 
