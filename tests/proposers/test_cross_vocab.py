@@ -258,7 +258,7 @@ def test_marginals_match_target(small_pair, params, sampled):
     for the test to see them."""
     exact = _exact(small_pair[0], params, 3)
     counts, accepted = _histograms(small_pair, params, 3000, 3, sampled)
-    assert accepted > 1000
+    assert accepted > (1500 if sampled == "shared" else 1000)  # by text, the draft's argmax: accepted less here
     for pos in range(3):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
