@@ -21,7 +21,20 @@ from verispec.assembly.build import build
 from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.catalog import DEFAULT_TARGET
 from verispec.core.sampling import SamplingParams
-from verispec.proposers.cross_vocab import SAMPLED_WAYS, CrossVocabDraft
+from verispec.proposers.cross_vocab import SAMPLED_WAYS, CrossVocabDraft, sampled_way
+
+
+def pair_args(ap: argparse.ArgumentParser, limit: int, max_new: int) -> None:
+    """The arguments this script and bench/sampled_logprobs.py share: the pair, its backend, the prompts, sampling."""
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--draft", default="smollm2-135m-instruct")
+    ap.add_argument("--backend", default="llamacpp", choices=("llamacpp", "hf"))
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--prompts", default="../shared/bench-data/HumanEval.jsonl.gz")
+    ap.add_argument("--limit", type=int, default=limit)
+    ap.add_argument("--max-new-tokens", type=int, default=max_new)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("-k", type=int, default=4)
 
 
 class WaysBench(Bench):
@@ -43,18 +56,15 @@ class WaysBench(Bench):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=DEFAULT_TARGET)
-    ap.add_argument("--draft", default="smollm2-135m-instruct")
-    ap.add_argument("--backend", default="llamacpp", choices=("llamacpp", "hf"))
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--prompts", default="../shared/bench-data/HumanEval.jsonl.gz")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--temperature", type=float, default=0.7)
+    pair_args(ap, limit=10, max_new=96)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--ways", default=",".join(SAMPLED_WAYS))
     args = ap.parse_args()
+    try:
+        for way in args.ways.split(","):
+            sampled_way(way)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     target = TargetSpec(args.target, backend=args.backend, dtype=args.dtype)
     draft = DraftSpec("model", args.draft, backend=args.backend)

@@ -3,8 +3,8 @@
 distribution, of each token emitted over seeded samples, with its standard error, for plain decoding, verispec
 with a draft (each way a draft of another tokenizer drafts sampled rows) and, on transformers, transformers' own
 assisted generation with the same draft (its different-tokenizer generator when the tokenizers differ). A lossless
-decoder's mean agrees with plain decoding's within the errors (the spread of the samples' means); one that accepts drafts the target would not emit
-falls below it. (The exactness tests are the chi-square tests on tiny models; this is the real pair's check.)
+decoder's mean agrees with plain decoding's within the errors (the spread of the samples' means); one that accepts
+drafts the target would not emit falls below it. (The exactness tests are the chi-square tests on tiny models; this is the real pair's check.)
 
     python bench/sampled_logprobs.py [--backend llamacpp|hf] [--draft smollm2-135m-instruct] [--limit 6]
         [--seeds 3] [--max-new-tokens 48] [--temperature 0.7]
@@ -17,12 +17,12 @@ import math
 import statistics
 
 import torch
+from cross_vocab_ways import pair_args  # bench/, beside this script
 
 from verispec.apps.bench.harness import Bench
 from verispec.apps.bench.loader import load_prompts
 from verispec.assembly.build import build
 from verispec.assembly.specs import DraftSpec, TargetSpec
-from verispec.catalog import DEFAULT_TARGET
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
 from verispec.names.options import to_transformers
@@ -48,16 +48,8 @@ def hf_assisted(bench: Bench, ids: list[int], params: SamplingParams, max_new: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=DEFAULT_TARGET)
-    ap.add_argument("--draft", default="smollm2-135m-instruct")
-    ap.add_argument("--backend", default="llamacpp", choices=("llamacpp", "hf"))
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--prompts", default="../shared/bench-data/HumanEval.jsonl.gz")
-    ap.add_argument("--limit", type=int, default=6)
+    pair_args(ap, limit=6, max_new=48)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("-k", type=int, default=4)
     args = ap.parse_args()
 
     bench = Bench(TargetSpec(args.target, backend=args.backend, dtype=args.dtype),
@@ -93,8 +85,7 @@ def main() -> None:
         err = statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else float("nan")
         rare = sum(lp < math.log(1e-4) for lp in logprobs)
         print(f"{arm:>24}: mean log p {mean:7.3f} +- {err:.3f} (over {len(means)} samples' means), "
-              f"{len(logprobs)} tokens; p < 1e-4: {rare}",
-              flush=True)
+              f"{len(logprobs)} tokens; p < 1e-4: {rare}", flush=True)
 
 
 if __name__ == "__main__":
