@@ -7,9 +7,9 @@
 # each server runs alone on a fresh start (verispec's suffix drafter remembers earlier answers; no two servers
 # share the cores while one is measured): llama-server --parallel NP (default 4) plain, llama-server --parallel NP
 # with the default pair's draft model (--spec-type draft-simple), and `verispec serve` in its default configuration
-# (EXTRA_SERVE adds flags). Each is driven by `verispec bench --endpoint --concurrency C` on the same prompts: SET
-# mt_bench (default: first turns, short prompts, so decoding dominates), spec_bench (long prompts too: RAG and
-# summaries, so prefills weigh) or humaneval; PROMPTS (default 16), PER_CATEGORY (default 2) per category, MAX_NEW
+# (EXTRA_SERVE adds flags); SERVERS (default "plain draft verispec") picks which of the three run. Each is driven
+# by `verispec bench --endpoint --concurrency C` on the same prompts: SET mt_bench (default: first turns, short
+# prompts, so decoding dominates), spec_bench (long prompts too: RAG and summaries, so prefills weigh) or humaneval; PROMPTS (default 16), PER_CATEGORY (default 2) per category, MAX_NEW
 # (default 128) new tokens, greedy. Prints a table (aggregate tokens/s, median TTFT, median per-request tokens/s, and
 # ratios) and one JSON line; the per-run reports land in out/serve_vs_llama_server/SET/. BUILD_ONLY=1: build
 # llama-server and stop.
@@ -87,14 +87,21 @@ run() {  # name, concurrency
         --json-out "$out/$1-c$2.json" >/dev/null
     stop
 }
+servers=" ${SERVERS:-plain draft verispec} "
 for c in ${CONCURRENCY:-1 4 8}; do
-    start "llama-server-np$np" "${llama[@]}"
-    run "llama-server-np$np" "$c"
-    start "llama-server-np$np-draft" "${llama[@]}" -md "$draft" --spec-type draft-simple
-    run "llama-server-np$np-draft" "$c"
-    # shellcheck disable=SC2086
-    start verispec "$python" -m verispec.apps.cli serve --log-level warning ${EXTRA_SERVE:-}
-    run verispec "$c"
+    if [[ "$servers" == *" plain "* ]]; then
+        start "llama-server-np$np" "${llama[@]}"
+        run "llama-server-np$np" "$c"
+    fi
+    if [[ "$servers" == *" draft "* ]]; then
+        start "llama-server-np$np-draft" "${llama[@]}" -md "$draft" --spec-type draft-simple
+        run "llama-server-np$np-draft" "$c"
+    fi
+    if [[ "$servers" == *" verispec "* ]]; then
+        # shellcheck disable=SC2086
+        start verispec "$python" -m verispec.apps.cli serve --log-level warning ${EXTRA_SERVE:-}
+        run verispec "$c"
+    fi
 done
 
 "$python" - "$out" "$np" "$kernels" "$set_name" <<'EOF'

@@ -12,6 +12,7 @@ from tiny import save_tiny_pair
 import verispec.apps.bench.harness as harness
 from verispec.apps.bench.harness import Bench, Config, balanced_orders, first_difference, run_benchmark
 from verispec.apps.bench.loader import Prompt, answer_history, load_prompts, select
+from verispec.apps.bench.plan import caveats
 from verispec.apps.bench.report import alpha_from_mean_length, build_report, leviathan_bound, write_plots
 from verispec.apps.cli import main
 from verispec.assembly.registry import BACKENDS, Backend
@@ -41,6 +42,16 @@ def test_leviathan_bound_known_values():
 def test_alpha_inverts_expected_length(alpha, k):
     mean_len = (1 - alpha ** (k + 1)) / (1 - alpha)
     assert alpha_from_mean_length(mean_len, k) == pytest.approx(alpha, abs=1e-9)
+
+
+def test_caveat_on_transformers_different_tokenizer_sampling():
+    """Only HF's sampled assisted generation with a draft of another tokenizer is flagged as not lossless."""
+    sampled, greedy = SamplingParams(temperature=0.7), SamplingParams()
+    (line,) = caveats(["hf", "llama"], sampled, other_tokenizer=True)
+    assert line.startswith("hf assisted:") and "lossless" in line
+    assert caveats(["hf"], greedy, other_tokenizer=True) == []
+    assert caveats(["hf"], sampled, other_tokenizer=False) == []
+    assert caveats(["llama"], sampled, other_tokenizer=True) == []
 
 
 def test_first_difference():
@@ -388,7 +399,7 @@ def test_cli_bench_json_only_on_stdout_with_ttft(pair_dirs, tmp_path, capsys):
     assert captured.out.count("\n") == 1 and "speedup" in captured.err and "TTFT" in captured.err
     assert report == json.loads((tmp_path / "r.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "r.json"]  # no temporary file left
-    assert report["status"] == "complete" and report["failures"] == []
+    assert report["status"] == "complete" and report["failures"] == [] and report["caveats"] == []
     for run in report["runs"]:
         if run["config"] == "hf assisted":
             assert run["ttft"] is None and run["decode_tokens_per_second"] is None

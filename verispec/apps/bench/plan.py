@@ -40,6 +40,16 @@ def configurations(drafters: list[str], ks: list[int | str], variants: list[str]
     return configs
 
 
+def caveats(compare: list[str], params: SamplingParams, other_tokenizer: bool) -> list[str]:
+    """What a reader must know before comparing the report's rows, one line each. transformers' sampled
+    different-tokenizer assisted generation (UniversalSpeculativeDecodingGenerator) emits tokens the target gives
+    almost no probability (docs/performance.md), so its tokens/s are not those of a lossless decoder."""
+    if "hf" in compare and other_tokenizer and not params.greedy:
+        return [f"{REFERENCES['hf']}: transformers' different-tokenizer sampling does not sample the target's "
+                "distribution; its tokens/s are no lossless reference"]
+    return []
+
+
 def needs_draft_model(drafters: list[str], budgets: list[int | str], compare: list[str]) -> bool:
     """Whether a configuration runs a draft model: a model drafter, a tree, or HF assisted generation."""
     return any(d not in FREE_DRAFTERS for d in drafters) or "hf" in compare or bool(budgets)

@@ -196,7 +196,7 @@ def cmd_bench(args) -> int:
     if args.concurrency is not None:
         raise ValueError("--concurrency loads servers: it needs --endpoint")
     from verispec.apps.bench.harness import Bench, Config
-    from verispec.apps.bench.plan import configurations, metadata, needs_draft_model
+    from verispec.apps.bench.plan import caveats, configurations, metadata, needs_draft_model
     from verispec.apps.bench.report import build_report, render_table, write_plots
 
     params = _sampling(args)
@@ -217,9 +217,12 @@ def cmd_bench(args) -> int:
                     warm_history=args.warm_history, repeats=args.repeats, draft_vocab=args.draft_vocab,
                     variants=variants, rounds_only=args.rounds_only, status=status, error=error)
     report = build_report(runs, configs, meta)
+    report["caveats"] = caveats(args.compare, params, "hf" in args.compare and bool(bench.hf_assistant_tokenizers()))
     _print_table(render_table(report), args.json)
     for line in report["failures"]:
         _stderr_console().print(f"failed: {line}", highlight=False, markup=False, soft_wrap=True)
+    for line in report["caveats"]:
+        _stderr_console().print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
     plot_error = None
     if args.plot_dir:
         try:
