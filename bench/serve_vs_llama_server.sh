@@ -9,10 +9,10 @@
 # with the default pair's draft model (--spec-type draft-simple), and `verispec serve` in its default configuration
 # (EXTRA_SERVE adds flags); SERVERS (default "plain draft verispec") picks which of the three run. Each is driven
 # by `verispec bench --endpoint --concurrency C` on the same prompts: SET mt_bench (default: first turns, short
-# prompts, so decoding dominates), spec_bench (long prompts too: RAG and summaries, so prefills weigh) or humaneval; PROMPTS (default 16), PER_CATEGORY (default 2) per category, MAX_NEW
-# (default 128) new tokens, greedy. Prints a table (aggregate tokens/s, median TTFT, median per-request tokens/s, and
-# ratios) and one JSON line; the per-run reports land in out/serve_vs_llama_server/SET/. BUILD_ONLY=1: build
-# llama-server and stop.
+# prompts, so decoding dominates), spec_bench (long prompts too: RAG and summaries, so prefills weigh) or
+# humaneval; PROMPTS (default 16), PER_CATEGORY (default 2) per category, MAX_NEW (default 128) new tokens, greedy.
+# Prints a table (aggregate tokens/s, median TTFT, median per-request tokens/s, and ratios) and one JSON line; the
+# per-run reports land in out/serve_vs_llama_server/SET/. BUILD_ONLY=1: build llama-server and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python}"

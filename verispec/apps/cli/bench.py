@@ -211,13 +211,14 @@ def cmd_bench(args) -> int:
         target_spec, draft_spec = _specs(args, drafter)
         bench = Bench(target_spec, draft_spec, text=not args.rounds_only)
         pipe = bench.pipeline(Config("own", "spec", ks[0], drafter))  # for the header
+        other_tokenizer = "hf" in args.compare and bool(bench.hf_assistant_tokenizers())  # before measuring
     runs, status, error = _measure(bench, prompts, configs, params, args)
     meta = metadata(_command_line(), pipe, draft_spec.label if draft_spec is not None else None, params,
                     max_new_tokens=args.max_new_tokens, prompts_file=args.prompts, turn=args.turn,
                     warm_history=args.warm_history, repeats=args.repeats, draft_vocab=args.draft_vocab,
                     variants=variants, rounds_only=args.rounds_only, status=status, error=error)
     report = build_report(runs, configs, meta)
-    report["caveats"] = caveats(args.compare, params, "hf" in args.compare and bool(bench.hf_assistant_tokenizers()))
+    report["caveats"] = caveats(args.compare, params, other_tokenizer)
     _print_table(render_table(report), args.json)
     for line in report["failures"]:
         _stderr_console().print(f"failed: {line}", highlight=False, markup=False, soft_wrap=True)
