@@ -4,7 +4,8 @@ distribution, of each token emitted over seeded samples, with its standard error
 with a draft (each way a draft of another tokenizer drafts sampled rows) and, on transformers, transformers' own
 assisted generation with the same draft (its different-tokenizer generator when the tokenizers differ). A lossless
 decoder's mean agrees with plain decoding's within the errors (the spread of the samples' means); one that accepts
-drafts the target would not emit falls below it. (The exactness tests are the chi-square tests on tiny models; this is the real pair's check.)
+drafts the target would not emit falls below it. (The exactness tests are the chi-square tests on tiny models;
+this is the real pair's check.)
 
     python bench/sampled_logprobs.py [--backend llamacpp|hf] [--draft smollm2-135m-instruct] [--limit 6]
         [--seeds 3] [--max-new-tokens 48] [--temperature 0.7]
