@@ -91,8 +91,9 @@ def simulated_rounds(texts: list[Text], draft, drafter: str) -> None:
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("ends", ["length", "eos"])
 def test_simulated_rounds_are_the_engines_rounds(pair, drafter, k, ends):
-    """Every round of greedy speculation (drafted, accepted), the first round (it drafts in the pass that feeds
-    the prompt) and one that reaches an end of text included, predicted from plain decoding's output alone."""
+    """Every round of greedy speculation (drafted, accepted), the first round (a free drafter drafts in the pass
+    that feeds the prompt, a draft model not) and one that reaches an end of text included, predicted from plain
+    decoding's output alone."""
     target, draft = pair
     budget, eos = 40, ()
     if ends == "eos":  # a token plain decoding emits mid-way ends the generation there
@@ -103,8 +104,8 @@ def test_simulated_rounds_are_the_engines_rounds(pair, drafter, k, ends):
     simulated_rounds(texts, draft, drafter)
     predicted = [[(d, a) for _, _, d, a in simulate(t, lambda i: (drafter, k))] for t in texts]
     assert predicted == real
-    if drafter == "model":  # a draft model drafts in every generation's first round
-        assert all(rounds[0][0] == k for rounds in real)
+    if drafter == "model":  # a draft model drafts no first round, and the second round's full k
+        assert all(rounds[0][0] == 0 and rounds[1][0] == k for rounds in real)
     assert sum(a for rounds in real for _, a in rounds) > 0  # drafts were accepted: the test sees acceptance
     if ends == "eos":
         assert any(len(t.output) < budget for t in texts)

@@ -60,23 +60,41 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def _api(server, messages: list[dict]) -> tuple[str, int, int]:
-    """The API's greedy reply to `messages` (non-streamed), and the accepted / target counts its streamed
-    chunks carry for the same request."""
+def _api(server, messages: list[dict]) -> str:
+    """The API's greedy reply to `messages` (non-streamed)."""
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "top_p": 1}
-    text = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers,
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers,
                       timeout=60).json()["choices"][0]["message"]["content"]
+
+
+# keeps a copy of each chat completion's response body the page reads, so a test compares the page with what the
+# server sent for that same request (a re-run may colour tokens differently: drafts depend on the draft's cache)
+_RECORD_STREAMS = """
+    window.streams = [];
+    const fetchOriginal = window.fetch;
+    window.fetch = async (...args) => {
+      const response = await fetchOriginal(...args);
+      if (String(args[0]).endsWith("/v1/chat/completions")) {
+        const record = {body: null};
+        window.streams.push(record);
+        response.clone().text().then((body) => { record.body = body; });
+      }
+      return response;
+    };"""
+
+
+def _streamed(driver, index: int) -> tuple[int, int]:
+    """The accepted / target counts the chunks of the page's `index`-th chat completion stream carried."""
+    body = _wait(driver, lambda d: d.execute_script("return window.streams[arguments[0]].body", index))
     accepted = target = 0
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body | {"stream": True}, headers=headers,
-                      timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[len("data: "):])
-                if chunk["choices"] and not chunk["choices"][0]["finish_reason"] and "verispec" in chunk:
-                    accepted += chunk["verispec"]["accepted"]
-                    target += chunk["verispec"]["target"]
-    return text, accepted, target
+    for line in body.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: "):])
+            if chunk["choices"] and not chunk["choices"][0]["finish_reason"] and "verispec" in chunk:
+                accepted += chunk["verispec"]["accepted"]
+                target += chunk["verispec"]["target"]
+    return accepted, target
 
 
 def _wait(driver, condition, timeout: float = 60):
@@ -117,6 +135,7 @@ def _reply(driver, turn: int, kind: str = "speculative") -> dict:
 
 def test_chat_page_two_turns_coloured_tokens_stats_and_a_wrong_key(driver, server):
     driver.get(server.url + "/")
+    driver.execute_script(_RECORD_STREAMS)
     assert _by_id(driver, "stats").text == "no generation yet"
     _set(driver, "api-key", KEY)
     _wait(driver, lambda d: d.execute_script("return document.getElementById('model').value") == MODEL)
@@ -125,7 +144,7 @@ def test_chat_page_two_turns_coloured_tokens_stats_and_a_wrong_key(driver, serve
 
     _send(driver, "hello there", 1)
     first = _reply(driver, 0)
-    text, accepted, target = _api(server, [{"role": "user", "content": "hello there"}])
+    text, (accepted, target) = _api(server, [{"role": "user", "content": "hello there"}]), _streamed(driver, 0)
     assert first["text"] == text and text
     assert (first["draft"], first["target"]) == (accepted, target) and accepted > 0 and target > 0
     stats_one = _by_id(driver, "stats").text
@@ -136,7 +155,7 @@ def test_chat_page_two_turns_coloured_tokens_stats_and_a_wrong_key(driver, serve
     messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": text},
                 {"role": "user", "content": "and more"}]
     second, plain = _reply(driver, 1), _reply(driver, 1, "plain")
-    text2, accepted2, target2 = _api(server, messages)
+    text2, (accepted2, target2) = _api(server, messages), _streamed(driver, 1)
     assert second["text"] == text2 and (second["draft"], second["target"]) == (accepted2, target2)
     assert plain["text"] == text2 and plain["draft"] == 0 and plain["target"] == accepted2 + target2  # greedy: same
     stats_two = _by_id(driver, "stats").text

@@ -161,17 +161,20 @@ def _record_target_passes(batch: SpeculativeGenerator) -> list[tuple[list[int], 
 
 def test_a_joining_prompt_is_prefilled_in_the_rounds_shared_pass(pair):
     """Requests that join cost no target pass of their own: the next round's one pass feeds each its prompt
-    and drafts, beside a running row's last token and drafts; all stay exact."""
+    (a draft model drafts from a request's second round on), beside a running row's last token and drafts; all
+    stay exact."""
     target, draft = pair
     batch = make_batch(target, draft, 3, k=2, eos=())
     passes = _record_target_passes(batch)
     running = batch.add([4, 5, 6], max_new_tokens=12)
     batch.step()
-    assert passes == [([3 + 2], [3])]
+    assert passes == [([3], [1])]
     joiners = [batch.add(list(range(1, 9)), max_new_tokens=12), batch.add([9, 8, 7, 6, 5], max_new_tokens=12)]
     assert len(passes) == 1  # add() feeds nothing
     batch.step()
-    assert passes[1] == ([1 + 2, 8 + 2, 5 + 2], [3, 3, 3])
+    assert passes[1] == ([1 + 2, 8, 5], [3, 1, 1])
+    batch.step()
+    assert passes[2] == ([1 + 2, 1 + 2, 1 + 2], [3, 3, 3])  # every row drafts now
     while batch.active:
         batch.step()
     for request in (running, *joiners):
@@ -334,13 +337,14 @@ def _batch_histograms(target, draft, n, steps, seed0):
 
 
 def test_batch_marginals_match_target_per_row(small_vocab_pair):
-    """Three rows with different settings, prompts and k, sampled together 2000 times: tokens 1-3 of each row
-    follow that row's exact target marginals (false-failure probability 9 x ALPHA)."""
+    """Three rows with different settings, prompts and k, sampled together 2000 times: tokens 1-4 of each row
+    (the first from the prefill's pass, then drafts) follow that row's exact target marginals (false-failure
+    probability 12 x ALPHA)."""
     target, draft = small_vocab_pair
-    counts = _batch_histograms(target, draft, n=2000, steps=3, seed0=0)
+    counts = _batch_histograms(target, draft, n=2000, steps=4, seed0=0)
     for r, (prompt, params) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS)):
-        exact = _exact_marginals(target, prompt, params, 3)
-        for pos in range(3):
+        exact = _exact_marginals(target, prompt, params, 4)
+        for pos in range(4):
             assert chi2_pvalue(counts[r, pos], exact[pos]) > ALPHA, (r, pos)
 
 
@@ -354,9 +358,9 @@ def test_batch_negative_control_fails(small_vocab_pair, monkeypatch):
         return torch.full((draft_tokens.shape[0],), k), bonus
 
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
-    counts = _batch_histograms(target, draft, n=1500, steps=2, seed0=0)
-    exact = _exact_marginals(target, ROW_PROMPTS[0], ROW_PARAMS[0], 2)
-    assert min(chi2_pvalue(counts[0, pos], exact[pos]) for pos in range(2)) < ALPHA
+    counts = _batch_histograms(target, draft, n=1500, steps=3, seed0=0)
+    exact = _exact_marginals(target, ROW_PROMPTS[0], ROW_PARAMS[0], 3)  # token 1 from the prefill, 2 drafted
+    assert min(chi2_pvalue(counts[0, pos], exact[pos]) for pos in range(3)) < ALPHA
 
 
 def test_seed_reproduces_whatever_the_batch_mates(pair):

@@ -93,7 +93,7 @@ class _Counting:
 
 @pytest.mark.parametrize("drafter", ["none", "model", "silent"])
 def test_one_target_pass_per_round_prefill_included(pair, drafter):
-    """The first round's one pass feeds the whole prompt and that round's drafts, and the logits at the
+    """The first round's one pass feeds the whole prompt (and that round's drafts, if any), and the logits at the
     prompt's last position give the first token, as plain decoders do: plain decoding of n tokens is n target
     passes (the prompt, then n - 1 single tokens), never n + 1; a first round with k drafts is ONE pass over
     the prompt + k drafts; k = auto with a drafter that never drafts is plain after its cost-learning rounds."""
@@ -114,8 +114,8 @@ def test_one_target_pass_per_round_prefill_included(pair, drafter):
     result = engine.generate(prompt, max_new_tokens=12)
     assert result.token_ids == plain
     assert result.stats.target_forwards == len(counting.calls)
-    if drafter == "model":
-        assert counting.calls[0] == len(prompt) + 3  # the prompt and the first round's drafts, in one pass
+    if drafter == "model":  # the draft has yet to read the prompt: the first round is the prompt's pass alone
+        assert counting.calls[0] == len(prompt)
         assert counting.calls[1] == 1 + 3  # then the last committed token and the drafts
         assert result.stats.drafted > 0
     elif drafter == "silent":  # k = auto: the prompt's pass, a plain pass (t_verify(0)), then one free guess
@@ -124,6 +124,23 @@ def test_one_target_pass_per_round_prefill_included(pair, drafter):
     else:
         assert counting.calls == [len(prompt)] + [1] * 11
         assert result.stats.drafted == 0
+
+
+def test_first_token_does_not_wait_for_the_draft(pair):
+    """A draft model drafts no first round, even when its cache already holds the prompt: the first token comes
+    from the target's prefill alone, and the draft catches up and drafts from the second round. A free drafter
+    drafts in the first round, in the prefill's pass."""
+    target, _ = pair
+    engine = make_engine(target, target, k=4)  # the target as its own draft: every draft is accepted
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for _ in range(2):  # the second time the draft's cache holds the prompt
+        gen = engine.stream(prompt, max_new_tokens=16)
+        chunks = list(gen)
+        assert [len(c) for c in chunks[:2]] == [1, 5] and chunks[0].accepted == 0
+    lookup = make_engine(target, None, k=3, drafter="ngram")
+    lookup.target = counting = _Counting(lookup.target)
+    lookup.generate([5, 6, 7, 8, 5, 6, 7], max_new_tokens=8)
+    assert counting.calls[0] == 7 + 3  # the prompt and the n-gram's three drafts (8 5 6), in one pass
 
 
 def test_prefix_reuse_still_feeds_the_last_token(pair):
@@ -273,6 +290,7 @@ def _exact_marginals(model, prompt: list[int], params: SamplingParams, steps: in
 
 
 def _engine_histograms(target, draft, params, n, k, steps, seed0):
+    """Histograms of the first `steps` tokens of n seeded generations from [3, 1, 2]."""
     V = target.config.vocab_size
     counts = torch.zeros(steps, V, dtype=torch.long)
     eng = make_engine(target, draft, k=k)
@@ -292,12 +310,12 @@ def small_vocab_pair():
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5)],
                          ids=["temperature", "top_k"])
 def test_loop_marginals_match_target(small_vocab_pair, params):
-    """Tokens 1-3 of speculative generations (k = 2: two draft positions, then bonus or next round)
-    follow the target's exact marginals. V = 8, N = 3000 generations: detects TV >= ~0.05 with high
-    power; the per-position TV ~ 0.01 resolution lives in test_verify. False-failure probability:
-    3 positions x ALPHA = 3e-4."""
+    """Tokens 1-4 of speculative generations (k = 2: the first round's token from the prefill, then two draft
+    positions, then bonus or next round) follow the target's exact marginals. V = 8, N = 3000 generations:
+    detects TV >= ~0.05 with high power; the per-position TV ~ 0.01 resolution lives in test_verify.
+    False-failure probability: 4 positions x ALPHA = 4e-4."""
     target, draft = small_vocab_pair
-    steps = 3
+    steps = 4
     exact = _exact_marginals(target, [3, 1, 2], params, steps)
     counts = _engine_histograms(target, draft, params, n=3000, k=2, steps=steps, seed0=0)
     for pos in range(steps):
@@ -341,9 +359,9 @@ def test_loop_negative_control_fails(small_vocab_pair, monkeypatch):
         return torch.full((draft_tokens.shape[0],), k), bonus
 
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
-    exact = _exact_marginals(target, [3, 1, 2], params, 2)
-    counts = _engine_histograms(target, draft, params, n=3000, k=2, steps=2, seed0=0)
-    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(2)) < ALPHA
+    exact = _exact_marginals(target, [3, 1, 2], params, 3)  # token 1 from the prefill, token 2 drafted
+    counts = _engine_histograms(target, draft, params, n=3000, k=2, steps=3, seed0=0)
+    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(3)) < ALPHA
 
 
 # -- a quantised draft: only acceptance may change, never the output --------------------------------

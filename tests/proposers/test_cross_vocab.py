@@ -252,14 +252,15 @@ def _histograms(small_pair, params: SamplingParams, n: int, steps: int, sampled:
                                              (SamplingParams(temperature=0.8, top_k=5), "text")],
                          ids=["temperature-shared", "temperature-auto", "top_k-shared", "top_k-text"])
 def test_marginals_match_target(small_pair, params, sampled):
-    """Tokens 1-3 of speculative generations with a draft of another vocabulary (k = 2) follow the target's exact
-    marginals, whichever way sampled rows draft (auto: a request's first round over the shared tokens, its
-    second by text). V = 8, N = 3000; false-failure probability 3 x ALPHA. The draft's tokens are accepted often enough
-    for the test to see them."""
-    exact = _exact(small_pair[0], params, 3)
-    counts, accepted = _histograms(small_pair, params, 3000, 3, sampled)
+    """Tokens 1-4 of speculative generations with a draft of another vocabulary (k = 2; the first token from the
+    prefill's pass, a draft model drafting from the second round) follow the target's exact marginals, whichever
+    way sampled rows draft (auto: a request's first drafting round over the shared tokens, its next by text).
+    V = 8, N = 3000; false-failure probability 4 x ALPHA. The draft's tokens are accepted often enough for the test
+    to see them."""
+    exact = _exact(small_pair[0], params, 4)
+    counts, accepted = _histograms(small_pair, params, 3000, 4, sampled)
     assert accepted > (1500 if sampled == "shared" else 1000)  # by text, the draft's argmax: accepted less here
-    for pos in range(3):
+    for pos in range(4):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
 
@@ -270,9 +271,9 @@ def test_penalised_marginals_match_target(small_pair, monkeypatch):
     monkeypatch.setattr(test_penalties, "PROMPT", PROMPT)
     params = SamplingParams(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.8, min_tokens=2,
                             stop_ids=(0, 5))
-    exact = _penalised_marginals(small_pair[0], params, 3)
-    counts, _ = _histograms(small_pair, params, 1500, 3, "auto")
-    for pos in range(3):
+    exact = _penalised_marginals(small_pair[0], params, 4)
+    counts, _ = _histograms(small_pair, params, 1500, 4, "auto")
+    for pos in range(4):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
 
@@ -290,9 +291,9 @@ def test_negative_control_q_not_restricted(small_pair, monkeypatch):
 
     monkeypatch.setattr(module, "draft_token", wrong_q)
     params = SamplingParams(temperature=1.0)
-    exact = _exact(small_pair[0], params, 2)
-    counts, _ = _histograms(small_pair, params, 1500, 2)
-    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(2)) < ALPHA
+    exact = _exact(small_pair[0], params, 3)  # token 1 from the prefill, token 2 drafted
+    counts, _ = _histograms(small_pair, params, 1500, 3)
+    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(3)) < ALPHA
 
 
 # -- how sampled rows draft --------------------------------------------------------------------------------

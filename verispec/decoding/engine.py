@@ -14,7 +14,9 @@ round feeds what the cache has not seen (the last committed token; for a request
 followed by the drafts, and keeps the logits of the last k + 1 positions: p after the committed sequence and after
 each draft. The verifier accepts n drafts and yields one more token (recovered or bonus); the slot is rolled back
 to the committed tokens it has seen. So a joining request's prefill rides in the round's shared pass, and its first
-round verifies drafts in the same pass; with k = 0 a round is plain decoding, through the same code (the baseline).
+round verifies drafts in the same pass, unless they would come from a draft model: that draft starts in the next
+round (its prefill of the prompt with it), so the first token waits only for the target's prefill. With k = 0 a
+round is plain decoding, through the same code (the baseline).
 Prompts are fed at most `prefill_chunk` tokens per round in all (the oldest request's first), so a long prompt goes
 in over several rounds while the other rows keep committing. A token tree (the tree drafter's draft) is verified in
 a tree-masked pass of its own row; trees do not batch.
@@ -49,7 +51,7 @@ from verispec.core.tree import TokenTree, verify_tree
 from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView, SharedKPolicy
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.decoding.round import settle
-from verispec.names.drafters import Source
+from verispec.names.drafters import DRAFT_MODEL_SOURCES, Source
 from verispec.names.k import DEFAULT_K, check_k
 from verispec.proposers.base import Drafter
 from verispec.proposers.lookup import no_draft
@@ -278,13 +280,18 @@ class SpeculativeGenerator:
         return plans, shared
 
     def _view(self, row: Row) -> RoundView:
-        """What the k policy sees before a row's round."""
+        """What the k policy sees before a row's round. A first round does not draft with a draft model (a chain
+        or a tree): the request's first token then comes from the target's prefill alone, not after the draft's
+        prefill and steps, which the next round makes. The rule reads only the request's own round (not what
+        the draft's cache holds), so a seeded request draws alike whatever ran before it."""
         limit = row.request.max_new_tokens - row.seq.new_tokens - 1
         if self.drafter is None:
             return RoundView(row.seq, limit, Source.NONE, 0, lambda: None)
         slot, seq = row.slot, row.seq
-        return RoundView(seq, limit, self.drafter.source(slot, seq), self.drafter.pending(slot, seq),
-                         lambda: self._time_draft_step(row))
+        source = self.drafter.source(slot, seq)
+        if not row.prefilled and source in DRAFT_MODEL_SOURCES:
+            limit = 0
+        return RoundView(seq, limit, source, self.drafter.pending(slot, seq), lambda: self._time_draft_step(row))
 
     def _time_draft_step(self, row: Row) -> float | None:
         """Seconds of one draft step, fed on the first token the draft must catch up on anyway (None: none

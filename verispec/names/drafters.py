@@ -22,6 +22,10 @@ class Source(StrEnum):
     NONE = "none"  # the drafter has no draft this round
 
 
+# the sources that run a draft model: a request's first round does not draft from them (its first token would wait
+# for the draft's prefill and steps); they draft from the second round on
+DRAFT_MODEL_SOURCES = frozenset({Source.MODEL, Source.TREE})
+
 DRAFTER_NAMES = ("model", "ngram", "suffix", "hybrid", "hybrid-suffix", "tree")  # assembly's registry has these
 FREE_DRAFTERS = ("ngram", "suffix")  # the drafters that take no draft model
 

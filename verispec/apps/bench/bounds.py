@@ -16,7 +16,8 @@ With the measured costs of the target's pass over n new tokens (`Costs.verify`, 
 draft model's step, a round of k drafts costs verify[k + 1] + k * step, and plain decoding verify[1] a token
 after the prefill's first. The first round (i = 0) is the engine's: one target pass feeds the prompt (what of it
 the cache does not hold; a prompt longer than the engine's prefill chunk goes in over several passes, the last
-one this round's) and the round's k drafts, and gives the first token. Its prompt's part is the prefill
+one this round's) and the round's k drafts, and gives the first token; a draft model drafts no first round (the
+engine's rule: the first token does not wait for the draft's prefill). Its prompt's part is the prefill
 (`Text.prefill`, outside the decoding seconds counted here), so the round costs what its drafts add to that pass,
 k * (`Costs.prefill_token` + step), and nothing when k = 0.
 
@@ -45,6 +46,7 @@ from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 from verispec.decoding.engine import PREFILL_CHUNK
 from verispec.decoding.policies.base import KPolicy, RoundReport, RoundView
+from verispec.names.drafters import DRAFT_MODEL_SOURCES
 
 # at generated position i: (source, [(tokens drafted, tokens accepted) of a draft asked for k tokens, k = 1 ..
 # k_max]); a free drafter may draft fewer tokens than asked, or none (source 'none')
@@ -64,8 +66,11 @@ class Text:
     decode: float = 0.0  # seconds plain decoding took after the prefill, as timed
     rounds: dict[str, list[Round]] = field(default_factory=dict)  # drafter -> a Round per i = 0 .. len(output) - 1
 
-    def limit(self, i: int) -> int:
-        """The most drafts the engine lets a round at generated position i have."""
+    def limit(self, i: int, source: str = "") -> int:
+        """The most drafts the engine lets a round at generated position i have, from `source` (a draft model
+        drafts no first round)."""
+        if i == 0 and source in DRAFT_MODEL_SOURCES:
+            return 0
         return (self.budget or len(self.output)) - 1 - i
 
     @property
@@ -154,7 +159,7 @@ def simulate(text: Text, policy: Policy) -> list[tuple[int, str, int, int]]:
     n, i, trace = len(text.output), 0, []  # a round that accepts an end of text ends past n
     while i < n:
         drafter, k = policy(i)
-        k = min(k, text.limit(i))
+        k = min(k, text.limit(i, text.rounds[drafter][i][0]))
         drafted, accepted = text.rounds[drafter][i][1][k - 1] if k > 0 else (0, 0)
         trace.append((i, drafter, drafted, accepted))
         i += accepted + 1
@@ -180,8 +185,8 @@ def oracle_seconds(text: Text, drafters: Iterable[str], costs: Costs, k_max: int
     for i in range(n - 1, -1, -1):
         options = [costs.round(i, "", 0) + best[i + 1]]
         for d in drafters:
-            counts = text.rounds[d][i][1]
-            for k in range(1, min(k_max, text.limit(i)) + 1):
+            source, counts = text.rounds[d][i]
+            for k in range(1, min(k_max, text.limit(i, source)) + 1):
                 drafted, accepted = counts[k - 1]
                 options.append(costs.round(i, d, drafted) + best[i + accepted + 1])
         best[i] = min(options)
@@ -240,7 +245,7 @@ def policy_seconds(text: Text, drafter: str, policy: KPolicy, costs: Costs,
     i, total = 0, 0.0
     while i < len(out):
         source, counts = rounds[i]
-        limit = text.limit(i)
+        limit = text.limit(i, source)
         plan = policy.choose(RoundView(seq, limit, source, 0, lambda: None))
         if plan.draft is not None:  # the policy's own draft (a free guess)
             guess = plan.draft.tokens.tolist()
