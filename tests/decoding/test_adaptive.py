@@ -11,6 +11,7 @@ from tiny import make_engine, perturbed, tiny_qwen2
 from verispec.core.sequence import TokenSequence
 from verispec.decoding.policies.base import Plan, RoundReport, RoundView
 from verispec.decoding.policies.cost_aware import (
+    GUESS_NGRAM,
     AcceptanceEstimate,
     CostAwareK,
     CostModel,
@@ -18,7 +19,7 @@ from verispec.decoding.policies.cost_aware import (
     SourcePolicy,
     TargetCosts,
 )
-from verispec.proposers.ngram import lookup_guess
+from verispec.proposers.ngram import NgramIndex
 
 
 def make_policy(k_max: int = 8, acceptance: list[float] | None = None, t_draft: float | None = None,
@@ -541,7 +542,7 @@ def test_fresh_policy_learns_costs_before_drafting(t_verify_2, step, drafts):
     assert policy.choose(view(50, timer=timer)) == Plan(0) and timer.calls == 0
     policy.observe(report(0, 0, 0.1))
     plan = policy.choose(view(50, timer=timer))
-    assert plan.k == 1 and plan.draft.tokens.tolist() == [lookup_guess(PROMPT)] and plan.draft.probs is None
+    assert plan.k == 1 and plan.draft.tokens.tolist() == [NgramIndex(GUESS_NGRAM).guess(PROMPT)] and plan.draft.probs is None
     assert timer.calls == 0
     policy.observe(report(1, 1, t_verify_2, own_draft=True))
     model = policy.by_source["model"]

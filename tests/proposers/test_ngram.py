@@ -9,25 +9,60 @@ from test_engine import _exact_marginals
 from tiny import make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
-from verispec.proposers.ngram import find_continuation
+from verispec.proposers.ngram import NgramIndex
 
 ALPHA = 1e-4
 
 
-def test_find_continuation_edges():
-    assert find_continuation([1, 2, 3], 4, 3, 1) == ([], 0)  # no earlier occurrence
-    assert find_continuation([5], 4, 3, 1) == ([], 0)  # too short
+def _scan(tokens: list[int], max_ngram: int, min_ngram: int) -> tuple[int, int]:
+    """The lookup by definition: for n from the longest down, the latest earlier start of the last n tokens with
+    a token after it; (where its continuation starts, n)."""
+    L = len(tokens)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        for i in range(L - n - 1, -1, -1):
+            if tokens[i : i + n] == tokens[L - n :]:
+                return i + n, n
+    return 0, 0
+
+
+def _continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    at, n = NgramIndex(max_ngram).match(tokens, min_ngram)
+    return (tokens[at : at + k], n) if n else ([], 0)
+
+
+def test_lookup_edges():
+    assert _continuation([1, 2, 3], 4, 3, 1) == ([], 0)  # no earlier occurrence
+    assert _continuation([5], 4, 3, 1) == ([], 0)  # too short
     # longest suffix first, most recent occurrence, continuation capped at k
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 0, 1, 2, 3]
-    assert find_continuation(toks, 2, 3, 1) == ([7, 8], 3)
-    assert find_continuation(toks, 10, 3, 1) == ([7, 8, 0, 1, 2, 3], 3)
+    assert _continuation(toks, 2, 3, 1) == ([7, 8], 3)
+    assert _continuation(toks, 10, 3, 1) == ([7, 8, 0, 1, 2, 3], 3)
     # a match whose continuation runs to the end of the sequence is cut there
-    assert find_continuation([4, 5, 4, 5], 5, 2, 1) == ([4, 5], 2)
-    assert find_continuation([4, 5, 6, 4], 3, 3, 2) == ([], 0)  # min_ngram respected
+    assert _continuation([4, 5, 4, 5], 5, 2, 1) == ([4, 5], 2)
+    assert _continuation([4, 5, 6, 4], 3, 3, 2) == ([], 0)  # min_ngram respected
+    assert _continuation([7, 7, 7], 2, 3, 1) == ([7], 2)  # overlapping: [7, 7] at 0, followed by 7
+    assert NgramIndex(4).guess([3, 1, 2, 3]) == 1 and NgramIndex(4).guess([3, 1, 2]) == 2  # else the last again
     with pytest.raises(ValueError):
         from verispec.proposers import NgramProposer
 
         NgramProposer(max_ngram=1, min_ngram=2)
+
+
+@pytest.mark.parametrize("max_ngram,min_ngram", [(4, 1), (3, 2), (1, 1)])
+def test_index_kept_up_to_date_matches_the_scan(max_ngram, min_ngram):
+    """Looked up after every round of a growing sequence (rounds append 1-4 tokens), after a cut, and on another
+    list, the index finds what a scan of the whole sequence finds."""
+    rng = torch.Generator().manual_seed(max_ngram * 10 + min_ngram)
+    index = NgramIndex(max_ngram)
+    for vocab in (3, 12):  # small vocabularies repeat often: long and short matches, and none
+        ids = torch.randint(vocab, (5,), generator=rng).tolist()
+        for _ in range(120):
+            assert index.match(ids, min_ngram) == _scan(ids, max_ngram, min_ngram)
+            ids.extend(torch.randint(vocab, (int(torch.randint(1, 5, (1,), generator=rng)),), generator=rng).tolist())
+        del ids[len(ids) // 2 :]  # a cut (a stop) leaves a shorter list: indexed anew
+        assert index.match(ids, min_ngram) == _scan(ids, max_ngram, min_ngram)
+        other = list(reversed(ids))  # another list: indexed anew
+        assert index.match(other, min_ngram) == _scan(other, max_ngram, min_ngram)
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +145,10 @@ def test_ngram_negative_control_fails(small_vocab_target, monkeypatch):
     assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(3)) < ALPHA
 
 
-def test_hybrid_looks_up_once_per_round(monkeypatch):
-    """source, pending and propose share one n-gram lookup per round (the engine asks all three)."""
+def test_hybrid_takes_the_model_where_the_lookup_has_no_match():
+    """source, pending and propose agree within a round; the next round looks up the grown sequence."""
     import torch
 
-    import verispec.proposers.ngram as ngram_module
     from verispec.core.sampling import SamplingParams
     from verispec.core.sequence import TokenSequence
     from verispec.proposers import HybridDrafter, LookupDrafter, NgramProposer
@@ -132,16 +166,13 @@ def test_hybrid_looks_up_once_per_round(monkeypatch):
             assert rows == []
             return []
 
-    calls = []
-    real = ngram_module.find_match
-    monkeypatch.setattr(ngram_module, "find_match", lambda *a: calls.append(1) or real(*a))
     hybrid = HybridDrafter(LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1, min_confident=2)]), NoModel())
     seq = TokenSequence([1, 2, 3, 1, 2], 16, torch.device("cpu"))
     hybrid.start(0, seq, SamplingParams(), torch.Generator())
-    assert hybrid.source(0, seq) == "ngram" and hybrid.pending(0, seq) == 0 and len(calls) == 1
-    assert hybrid.propose([(0, seq, 4, None)])[0].tokens.tolist() == [3, 1, 2] and len(calls) == 1
+    assert hybrid.source(0, seq) == "ngram" and hybrid.pending(0, seq) == 0
+    assert hybrid.propose([(0, seq, 4, None)])[0].tokens.tolist() == [3, 1, 2]
     seq.extend([9], torch.tensor([9]))  # the next round: a fresh lookup, no match now
-    assert hybrid.source(0, seq) == "model" and hybrid.pending(0, seq) == 7 and len(calls) == 2
+    assert hybrid.source(0, seq) == "model" and hybrid.pending(0, seq) == 7
 
 
 def test_ngram_names_its_source_by_match_length():

@@ -17,31 +17,41 @@ from verispec.core.timing import device_tensor
 from verispec.names.drafters import Source
 
 
-def find_match(tokens: list[int], max_ngram: int, min_ngram: int) -> tuple[int, int]:
-    """(index of the continuation after the latest earlier match of the longest matching suffix, its n);
-    (0, 0) when no suffix of min_ngram..max_ngram tokens occurred before with a token after it."""
-    L = len(tokens)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        suffix = tokens[L - n :]
-        first = suffix[0]
-        # latest start i < L - n with tokens[i:i+n] == suffix and at least one token after the match
-        for i in range(L - n - 1, -1, -1):
-            if tokens[i] == first and tokens[i : i + n] == suffix:
-                return i + n, n
-    return 0, 0
+class NgramIndex:
+    """Where each n-gram (n = 1..max_ngram) of a growing token list last started with a token after it. It is
+    brought up to date with the tokens appended since the last lookup, so over a generation a match costs
+    O(max_ngram) per round however long the sequence, not a scan of it."""
 
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
+        self._ids: list[int] | None = None  # the list indexed (a reference: appended to between lookups)
+        self._seen = 0  # how many of its tokens are indexed
+        self._latest: list[dict[tuple[int, ...], int]] = []  # [n][n-gram] -> its latest start
 
-def find_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
-    """(up to k tokens that followed the latest earlier match of the longest matching suffix, its n)."""
-    at, n = find_match(tokens, max_ngram, min_ngram)
-    return (tokens[at : at + k], n) if n else ([], 0)
+    def match(self, ids: list[int], min_ngram: int) -> tuple[int, int]:
+        """(index of the continuation after the latest earlier occurrence of the longest suffix of `ids` of
+        min_ngram..max_ngram tokens, its n); (0, 0) when no such suffix occurred before with a token after it.
+        `ids` is indexed anew unless it is the list of the last lookup, grown since."""
+        if ids is not self._ids or len(ids) < self._seen:
+            self._ids, self._seen = ids, 0
+            self._latest = [{} for _ in range(self.max_ngram + 1)]
+        length = len(ids)
+        for n in range(1, self.max_ngram + 1):  # the starts whose n-gram has had a token after it since last time
+            lo, hi = max(self._seen - n, 0), length - n
+            if lo < hi:  # later starts overwrite earlier ones
+                self._latest[n].update(zip(zip(*(ids[lo + j : hi + j] for j in range(n))), range(lo, hi)))
+        self._seen = length
+        for n in range(min(self.max_ngram, length - 1), min_ngram - 1, -1):
+            start = self._latest[n].get(tuple(ids[length - n :]))
+            if start is not None:
+                return start + n, n
+        return 0, 0
 
-
-def lookup_guess(tokens: list[int], max_ngram: int = 4) -> int:
-    """One free guess at the next token: what followed the latest earlier occurrence of the longest matching
-    suffix (down to one token), else the last token again."""
-    at, n = find_match(tokens, max_ngram, 1)
-    return tokens[at] if n else tokens[-1]
+    def guess(self, ids: list[int]) -> int:
+        """One free guess at the token after `ids`: what followed the latest earlier occurrence of its longest
+        matching suffix (down to one token), else its last token again."""
+        at, n = self.match(ids, 1)
+        return ids[at] if n else ids[-1]
 
 
 class NgramProposer:
@@ -54,17 +64,14 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.min_confident = max_ngram, min_ngram, min_confident
         self.last_match = 0  # n of the last match (0: none)
-        self._match: tuple[TokenSequence, int, int, int] | None = None  # (seq, len(seq), at, n) of this round
+        self._index = NgramIndex(max_ngram)
 
     def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
         self.last_match = 0
-        self._match = None
 
     def match(self, seq: TokenSequence) -> tuple[int, int]:
-        """find_match on this round's sequence, looked up once per round (source and propose both ask): within a generation the sequence only grows, so the object and its length name the round."""
-        if self._match is None or self._match[0] is not seq or self._match[1] != len(seq):
-            self._match = (seq, len(seq), *find_match(seq.ids, self.max_ngram, self.min_ngram))
-        return self._match[2], self._match[3]
+        """(where the continuation of this round's match starts, its n); (0, 0): no match."""
+        return self._index.match(seq.ids, self.min_ngram)
 
     def source(self, seq: TokenSequence) -> str:
         """'ngram' (a match of at least min_confident tokens), 'ngram-short' (a shorter one) or 'none'."""
@@ -82,8 +89,8 @@ class NgramProposer:
         pass
 
     def end(self) -> None:
-        self._match = None
+        self._index = NgramIndex(self.max_ngram)  # lets the finished sequence go
 
     def reset(self) -> None:
         self.last_match = 0
-        self._match = None
+        self._index = NgramIndex(self.max_ngram)

@@ -20,14 +20,18 @@ The parts, each usable on its own with plain numbers:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
 
 from verispec.core.draft import Draft
+from verispec.core.sequence import TokenSequence
 from verispec.core.timing import device_tensor
 from verispec.decoding.policies.base import Plan, RoundReport, RoundView
 from verispec.decoding.policies.shared_pass import SharedPass
 from verispec.names.drafters import Source
 from verispec.names.k import K_MAX
-from verispec.proposers.ngram import lookup_guess
+from verispec.proposers.ngram import NgramIndex
+
+GUESS_NGRAM = 4  # the longest suffix a filler guess looks up
 
 
 def ema(old: float | None, new: float, decay: float) -> float:
@@ -389,6 +393,7 @@ class CostAwareK:
         self.by_source: dict[str, SourcePolicy] = {}
         self._policy: SourcePolicy | None = None  # the one that chose the last plan
         self.shared = SharedPass(self)  # rounds whose pass several rows share
+        self._guesses: WeakKeyDictionary[TokenSequence, NgramIndex] = WeakKeyDictionary()  # a filler's lookups
 
     def choose_shared(self, views: list[RoundView], width: int, rows: int) -> list[Plan]:
         """The plans of the rows with k = 'auto' in a round shared by several rows (see SharedPass)."""
@@ -414,7 +419,8 @@ class CostAwareK:
             if step is not None:
                 policy.costs.observe_draft_step(step)
         if view.limit > 0 and self._wants_filler(policy.costs):
-            guess = device_tensor([lookup_guess(view.seq.ids)], view.seq.buffer.device)
+            index = self._guesses.setdefault(view.seq, NgramIndex(GUESS_NGRAM))
+            guess = device_tensor([index.guess(view.seq.ids)], view.seq.buffer.device)
             return Plan(1, Draft(guess, None, Source.GUESS))
         return Plan(policy.choose(view.limit, view.pending))
 
