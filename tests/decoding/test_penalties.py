@@ -5,6 +5,7 @@ the target's exact per-position marginals (the penalties make each position depe
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -144,6 +145,9 @@ def _loop_histograms(target, draft, params: SamplingParams, steps: int, n: int) 
 
 PENALISED = SamplingParams(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.8, min_tokens=2,
                            stop_ids=(0, 5))
+# penalties strong enough that a row missing the drafts before it shows at N = 1000 (the first drafts follow a
+# committed token, which already carries penalties of its own)
+STRONG = replace(PENALISED, presence_penalty=3.0, frequency_penalty=3.0)
 
 
 def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pair):
@@ -176,24 +180,25 @@ def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pai
             assert torch.allclose(drafts.probs[i : i + 1], q, atol=1e-5), i
 
 
-def test_penalised_loop_marginals_match_target(small_vocab_pair):
-    """Tokens 1-3 of speculative generations (k = 2: drafts at positions 2-3 are verified by rows that must
-    count the drafts before them, and min_tokens masks the stop ids at positions 1-2 only) follow the
-    target's exact marginals. V = 8, N = 2000 generations: detects TV >= ~0.06; false-failure probability
-    3 positions x ALPHA = 3e-4."""
+@pytest.mark.parametrize("params,n", [(PENALISED, 2000), (STRONG, 1000)], ids=["penalised", "strong"])
+def test_penalised_loop_marginals_match_target(small_vocab_pair, params, n):
+    """Tokens 1-4 of speculative generations (token 1 from the prefill; then k = 2: drafts at positions 2-3 are
+    verified by rows that must count the drafts before them, and min_tokens masks the stop ids at positions 1-2
+    only) follow the target's exact marginals. V = 8, N = 2000 generations: detects TV >= ~0.06 (N = 1000 under
+    the negative control's strong penalties); false-failure probability 4 positions x ALPHA = 4e-4 each."""
     target, draft = small_vocab_pair
-    exact = _exact_marginals(target, PENALISED, 3)
-    counts = _loop_histograms(target, draft, PENALISED, 3, 2000)
-    for pos in range(3):
+    exact = _exact_marginals(target, params, 4)
+    counts = _loop_histograms(target, draft, params, 4, n)
+    for pos in range(4):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
 
 def test_penalised_loop_negative_control(small_vocab_pair, monkeypatch):
-    """The same test fails when every verify row gets the committed counts only (the drafts before a row
-    not counted): exactness needs the per-row counts."""
+    """The same test (strong penalties) fails when every verify row gets the committed counts only (the drafts
+    before a row not counted): exactness needs the per-row counts."""
 
     monkeypatch.setattr("verispec.core.rows.count_rows", lambda c, tokens, paths=None: c.unsqueeze(0).repeat(tokens.numel() + 1, 1))
     target, draft = small_vocab_pair
-    exact = _exact_marginals(target, PENALISED, 3)
-    counts = _loop_histograms(target, draft, PENALISED, 3, 400)  # the defect is large: p ~1e-28 at this N
-    assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=400) for pos in range(3)) < ALPHA
+    exact = _exact_marginals(target, STRONG, 4)  # token 1 from the prefill, tokens 2-3 drafted
+    counts = _loop_histograms(target, draft, STRONG, 4, 1000)  # p ~1e-15 at this N (position 3)
+    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(4)) < ALPHA

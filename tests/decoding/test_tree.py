@@ -236,11 +236,11 @@ def _tree_histograms(target, draft, params, n, steps, seed0):
                                     SamplingParams(temperature=1.0, repetition_penalty=1.6, frequency_penalty=0.5)],
                          ids=["temperature", "top_p", "penalties"])
 def test_tree_marginals_match_target(small_vocab_pair, params):
-    """Tokens 1-4 of tree-speculative generations (2 children per node, depth 3: a token at every depth and the
-    bonus after depth 3) follow the target's exact marginals (V = 8, N = 3000; false-failure probability 4 x
-    ALPHA). Every accepted length 0..3 occurs (0..2 under top-p)."""
+    """Tokens 1-5 of tree-speculative generations (token 1 from the prefill, then a tree of 2 children per node,
+    depth 3: a token at every depth and the bonus after depth 3) follow the target's exact marginals (V = 8,
+    N = 3000; false-failure probability 5 x ALPHA). Every accepted length 0..3 occurs (0..2 under top-p)."""
     target, draft = small_vocab_pair
-    steps = 4
+    steps = 5
     exact = _exact_marginals(target, [3, 1, 2], params, steps) if not params.penalised and not params.counted \
         else _penalised_marginals(target, [3, 1, 2], params, steps)
     counts, depths = _tree_histograms(target, draft, params, n=3000, steps=steps, seed0=0)
@@ -300,9 +300,9 @@ def test_tree_negative_control_fails(small_vocab_pair, monkeypatch):
 
     monkeypatch.setattr(engine_module, "verify_tree", chain_rule_on_a_tree)
     params = SamplingParams(temperature=1.0)
-    counts, _ = _tree_histograms(target, draft, params, n=1500, steps=3, seed0=0)
-    exact = _exact_marginals(target, [3, 1, 2], params, 3)
-    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(3)) < ALPHA
+    counts, _ = _tree_histograms(target, draft, params, n=1500, steps=4, seed0=0)  # token 1 from the prefill
+    exact = _exact_marginals(target, [3, 1, 2], params, 4)
+    assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(4)) < ALPHA
 
 
 def test_seeded_tree_sampling_reproduces(pair):
