@@ -8,9 +8,11 @@ import os
 import sys
 
 from verispec.apps.cli.args import _add_model_args, _check_draft, _command, _pipeline, _positive_int
-from verispec.names.options import SERVER_MAX_TOKENS
+from verispec.apps.server.settings import ServerSettings
 
-DEFAULT_MAX_BATCH = 8  # serve --max-batch: see docs/performance.md (Batched serving)
+# serve --max-batch (the library's ServerSettings decodes one at a time unless asked): see docs/performance.md
+# (Batched serving)
+DEFAULT_MAX_BATCH = 8
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,26 +24,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--allowed-hosts", help="comma-separated host names the Host header may carry ('*': any; "
                                             "default: the bind address, with localhost names for a loopback one)")
     sv.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
-    sv.add_argument("--limit-concurrency", type=int, default=256,
+    sv.add_argument("--limit-concurrency", type=int, default=ServerSettings.max_in_flight,
                     help="requests handled at once (streams included); beyond it 429 with Retry-After")
     sv.add_argument("--served-model-name", help="the model name clients use; the target's name is always "
                                                 "accepted (default: none besides it)")
-    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429")
+    sv.add_argument("--max-queue", type=int, default=ServerSettings.max_queue,
+                    help="requests waiting beyond this get 429")
     sv.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
-                    help="requests decoded together, each round's target pass shared (continuous batching; "
-                         "transformers backend with the model, ngram or suffix drafter, else one at a time)")
-    sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
-    sv.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
-    sv.add_argument("--default-max-tokens", type=int, default=SERVER_MAX_TOKENS,
+                    help="requests decoded together, each round's target pass shared (continuous batching; a "
+                         "pipeline that cannot batch, such as the tree drafter's, decodes one at a time and says why)")
+    sv.add_argument("--max-prompt-tokens", type=int, default=ServerSettings.max_prompt_tokens,
+                    help="longest prompt a request may send")
+    sv.add_argument("--max-tokens-cap", type=int, default=ServerSettings.max_tokens_cap,
+                    help="largest max_tokens a request may ask for")
+    sv.add_argument("--default-max-tokens", type=int, default=ServerSettings.default_max_tokens,
                     help="max_tokens of a request that sets none (OpenAI's API has no default)")
-    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
+    sv.add_argument("--max-body-bytes", type=int, default=ServerSettings.max_body_bytes, help="largest request body")
     sv.add_argument("--log-level", default="info", help="uvicorn's log level")
     _add_model_args(sv)
     sv.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
-    from verispec.apps.server.app import ServerSettings, create_app
+    from verispec.apps.server.app import create_app
     from verispec.apps.server.run import serve
 
     api_key = args.api_key or os.environ.get("VERISPEC_API_KEY") or None

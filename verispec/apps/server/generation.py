@@ -14,7 +14,8 @@ from verispec.decoding.request import Request
 from verispec.pipeline.text import encode_messages
 
 if TYPE_CHECKING:
-    from verispec.apps.server.app import ServerSettings, ServerState
+    from verispec.apps.server.app import ServerState
+    from verispec.apps.server.settings import ServerSettings
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
