@@ -116,9 +116,10 @@ def sentencepiece_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def save_tiny_pair(root, vocab_size: int = 264):
-    """Write a tiny target and draft (sharing the byte tokenizer) as HF directories; returns their paths."""
-    tok = byte_tokenizer()
+def save_tiny_pair(root, vocab_size: int = 264, tok=None):
+    """Write a tiny target and draft (sharing `tok`, default the byte tokenizer) as HF directories; returns their
+    paths."""
+    tok = tok or byte_tokenizer()
     target = tiny_qwen2(21, vocab_size=vocab_size, init=0.1)
     draft = perturbed(target, seed=22, noise=0.1)
     paths = []
@@ -129,6 +130,18 @@ def save_tiny_pair(root, vocab_size: int = 264):
         tok.save_pretrained(path)
         paths.append(str(path))
     return paths
+
+
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>")
+
+
+def fim_tokenizer(markers: tuple[str, ...] = FIM_TOKENS):
+    """byte_tokenizer with fill-in-the-middle markers as special tokens after its own (Qwen2.5-Coder's names:
+    prefix, suffix, middle, repository, file separator; ids 259-263 with the default `markers`, inside
+    text_pair's vocabulary of 264)."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|endoftext|>", *markers]})
+    return tok
 
 
 def text_pair():

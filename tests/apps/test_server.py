@@ -608,3 +608,12 @@ def test_concurrent_requests_share_rounds_and_stay_exact(server, client):
     assert together == alone
     assert max(seen) >= 2, seen
     assert _wait_for(lambda: httpx.get(server.url + "/health").json()["busy"] is False, timeout=5)
+
+
+def test_fill_in_the_middle_needs_fim_tokens(server):
+    """The tiny pair's byte tokenizer has no fill-in-the-middle markers: both doors say so in a 400."""
+    for path, body in (("/infill", {"input_prefix": "a", "input_suffix": "b"}),
+                       ("/v1/completions", {"model": MODEL, "prompt": "a", "suffix": "b"})):
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "fim_not_supported", r.text
+        assert "fill-in-the-middle" in r.json()["error"]["message"]

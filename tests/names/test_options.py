@@ -120,3 +120,24 @@ def test_other_engines_get_the_same_settings_or_a_refusal():
 def test_a_report_describes_the_sampling_in_one_line():
     assert SamplingParams().describe() == "greedy"
     assert SamplingParams(temperature=0.7, top_p=0.9).describe() == "temperature=0.7 top_p=0.9"
+
+
+def test_llama_servers_fields_mean_what_they_mean_there():
+    from verispec.names.options import from_llama_server, openai_to_llama_server
+
+    assert from_llama_server({}) == SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)  # its defaults
+    # only the samplers listed run: llama.vim's chain samples at temperature 1 with no min-p
+    assert from_llama_server({"top_k": 40, "top_p": 0.9, "temperature": 0.2}, ["top_k", "top_p"]) == SamplingParams(
+        temperature=1.0, top_k=40, top_p=0.9)
+    assert from_llama_server({"temperature": -1, "top_k": 0, "min_p": 0, "top_p": 1.0, "seed": 7}) == SamplingParams(
+        seed=7)  # temperature <= 0 greedy; top_k and min_p <= 0 and top_p >= 1 off
+    assert from_llama_server({"seed": -1}).seed is None and from_llama_server({"seed": 0xFFFFFFFF}).seed is None
+    assert from_llama_server({"repeat_penalty": 1.3, "presence_penalty": 0.5}, ["penalties"]).repetition_penalty == 1.3
+    assert from_llama_server({"repeat_penalty": 1.3}, ["top_k"]).repetition_penalty == 1.0
+    with pytest.raises(ValueError, match="sampler 'mirostat' is not supported"):
+        from_llama_server({}, ["top_k", "mirostat"])
+    with pytest.raises(ValueError, match="top_p"):
+        from_llama_server({"top_p": 0.0})
+    sent = openai_to_llama_server({"temperature": 0.0, "top_p": 1.0, "stop": ["x"]})
+    assert from_llama_server(sent) == SamplingParams()  # greedy, nothing of llama-server's defaults
+    assert SamplingParams(seed=3).nth(2).seed == 5 and SamplingParams().nth(2).seed is None

@@ -276,3 +276,50 @@ def test_a_round_costs_what_its_tokens_cost(tok):
         text.push(ids[i : i + 3])
     text.finish()
     assert len(ids) > 3000 and max(decoded) <= 8 and len(decoded) <= 2 * len(ids) + 2
+
+
+# -- the line rules of code completion (llama-server's n_indent and t_max_predict_ms) ---------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_indent_rule_cuts_before_the_first_line_indented_less(tok, chunk):
+    from verispec.pipeline.text import INDENT
+
+    text = "x = 1\n    y = 2\n\t\t\t\tw\n  z = 3\n    never\n"
+    ids = tok(text).input_ids
+    asm = TextAssembler(tok, min_indent=4)
+    shown, keep = _stream_until_stop(asm, ids, chunk)
+    assert "".join(shown) == asm.text == "x = 1\n    y = 2\n\t\t\t\tw\n  "  # the line's indent kept, as llama-server
+    assert keep == len(tok("x = 1\n    y = 2\n\t\t\t\tw\n  z").input_ids) and asm.stopped_by == INDENT
+
+
+def test_indent_rule_spares_the_first_line_and_counts_blank_lines(tok):
+    for text, want in [("a\nb", "a\n"), ("a\n\nb", "a\n"), ("  a\n  b\n", "  a\n  b\n")]:
+        asm = TextAssembler(tok, min_indent=2 if text.startswith("  ") else 1)
+        _, keep = _stream_until_stop(asm, tok(text).input_ids, 1)
+        assert asm.text == want, text
+    asm = TextAssembler(tok, min_indent=8)
+    assert asm.stop_index(tok("unindented first line").input_ids) is None
+
+
+def test_newline_rule_ends_at_the_first_newline_after_the_deadline(tok):
+    from verispec.pipeline.text import NEWLINE
+
+    now = [0.0]
+    asm = TextAssembler(tok, newline_after=1.0, clock=lambda: now[0])
+    first, second = tok("a\nb").input_ids, tok("c\nd\ne").input_ids
+    assert asm.stop_index(first) is None  # a newline before the deadline ends nothing
+    asm.push(first)
+    now[0] = 2.0
+    keep = asm.stop_index(first + second)
+    assert keep == len(first) + 2 and asm.stopped_by == NEWLINE  # through the newline, kept
+    asm.push(second)
+    assert asm.text == "a\nbc\n"
+
+
+def test_rules_and_stop_strings_the_first_decided_wins(tok):
+    text = "x\n  y STOP\nz\n"
+    for stop, min_indent, want in [(["STOP"], 1, "x\n  y "), (["never"], 1, "x\n  y STOP\n"), (["x\n "], 3, "")]:
+        asm = TextAssembler(tok, stop=stop, min_indent=min_indent)
+        _stream_until_stop(asm, tok(text).input_ids, 2)
+        assert asm.text == want, (stop, min_indent)

@@ -163,6 +163,7 @@ class SpeculativeGenerator:
                   None if resolved.top_logprobs is None else [])
         keep = min(common_prefix_length(self._held[slot], prompt), len(prompt) - 1, self.target.lengths[slot])
         self.target.rollback(slot, keep)  # the cache keeps what the prompt shares with the slot's last sequence
+        result.stats.cached_tokens = keep
         if self.drafter is not None:
             self.drafter.start(slot, seq, resolved.params, row.generator)
         row.policy.start()

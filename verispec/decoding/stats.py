@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class SpecStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's tokens, those the target's cache held already (a common prefix)
     new_tokens: int = 0
     rounds: int = 0
     drafted: int = 0
@@ -85,7 +86,7 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         """Accumulate another generation's stats (e.g. across chat turns)."""
         for name in (
-            "prompt_tokens", "new_tokens", "rounds", "drafted", "accepted", "target_forwards",
+            "prompt_tokens", "cached_tokens", "new_tokens", "rounds", "drafted", "accepted", "target_forwards",
             "draft_forwards", "target_seconds", "draft_seconds", "prefill_seconds", "first_token_seconds", "seconds",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))

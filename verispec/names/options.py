@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
@@ -54,7 +54,10 @@ class Option:
     (None: any, as for a seed). `api_default` / `api_bounds`: the server's field where it differs (OpenAI's
     default and range, or the server's own limit). `openai`: a field of OpenAI's API (else an extension
     named as vLLM names it, which the server accepts and `to_openai` refuses to send). `transformers` / `llama_cpp`: the name of the
-    same setting in transformers' generate and llama-cpp-python's generate (None: they have none)."""
+    same setting in transformers' generate and llama-cpp-python's generate (None: they have none). `llama_server`:
+    its field in llama-server's own API (/completion, /infill), with llama-server's default `llama_server_default`
+    where it differs from the library's, and `sampler`, the llama.cpp sampler that applies it as that API's
+    `samplers` names it."""
 
     help: str
     bounds: Bounds | None = Bounds()
@@ -63,6 +66,9 @@ class Option:
     openai: bool = False
     transformers: str | None = None
     llama_cpp: str | None = None
+    llama_server: str | None = None
+    llama_server_default: Any = None
+    sampler: str | None = None
 
 
 def option(default: Any, help: str, **how: Any) -> Any:
@@ -76,25 +82,33 @@ class SamplingParams:
 
     temperature: float = option(0.0, "sampling temperature; 0 = greedy", bounds=Bounds(ge=0), api_default=1.0,
                                 api_bounds=Bounds(ge=0, le=2), openai=True, transformers="temperature",
-                                llama_cpp="temp")
+                                llama_cpp="temp", llama_server="temperature", llama_server_default=0.8,
+                                sampler="temperature")
     top_k: int = option(0, "sample among the K likeliest tokens; 0 = all", bounds=Bounds(ge=0),
-                        transformers="top_k", llama_cpp="top_k")
+                        transformers="top_k", llama_cpp="top_k", llama_server="top_k", llama_server_default=40,
+                        sampler="top_k")
     top_p: float = option(1.0, "sample among the likeliest tokens whose probabilities sum to P; 1 = all",
-                          bounds=Bounds(gt=0, le=1), openai=True, transformers="top_p", llama_cpp="top_p")
+                          bounds=Bounds(gt=0, le=1), openai=True, transformers="top_p", llama_cpp="top_p",
+                          llama_server="top_p", llama_server_default=0.95, sampler="top_p")
     min_p: float = option(0.0, "drop tokens less likely than MIN_P times the likeliest one; 0 = none",
-                          bounds=Bounds(ge=0, le=1), transformers="min_p", llama_cpp="min_p")
+                          bounds=Bounds(ge=0, le=1), transformers="min_p", llama_cpp="min_p", llama_server="min_p",
+                          llama_server_default=0.05, sampler="min_p")
     repetition_penalty: float = option(1.0, "penalise tokens already in the prompt or output (CTRL's penalty; > 1 "
                                             "penalises); 1 = none", bounds=Bounds(gt=0),
                                        api_bounds=Bounds(gt=0, le=10), transformers="repetition_penalty",
-                                       llama_cpp="repeat_penalty")
+                                       llama_cpp="repeat_penalty", llama_server="repeat_penalty",
+                                       sampler="penalties")
     seed: int | None = option(None, "random seed for sampling (default: a fresh one each run)", bounds=None,
-                              api_bounds=Bounds(ge=-INT64, lt=INT64), openai=True)
+                              api_bounds=Bounds(ge=-INT64, lt=INT64), openai=True, llama_server="seed",
+                              llama_server_default=-1)
     presence_penalty: float = option(0.0, "subtract this from the logit of every token already generated "
                                           "(OpenAI's penalty; the prompt's tokens are not counted); 0 = none",
-                                     api_bounds=Bounds(ge=-2, le=2), openai=True)
+                                     api_bounds=Bounds(ge=-2, le=2), openai=True, llama_server="presence_penalty",
+                                     sampler="penalties")
     frequency_penalty: float = option(0.0, "subtract this times its count from the logit of every token already "
                                            "generated (OpenAI's penalty); 0 = none",
-                                      api_bounds=Bounds(ge=-2, le=2), openai=True)
+                                      api_bounds=Bounds(ge=-2, le=2), openai=True,
+                                      llama_server="frequency_penalty", sampler="penalties")
     min_tokens: int = option(0, "generate at least this many tokens: EOS and the stop token ids cannot end "
                                 "generation before", bounds=Bounds(ge=0))
     stop_ids: tuple[int, ...] = ()  # the ids min_tokens masks (the engine adds its EOS and stop ids): not an option
@@ -136,6 +150,11 @@ class SamplingParams:
         """ValueError when min_tokens asks for more tokens than `max_new_tokens` allows."""
         if self.min_tokens > max_new_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) is larger than {name} ({max_new_tokens})")
+
+    def nth(self, i: int) -> SamplingParams:
+        """These params for the i-th of several samples of one request (from 0): a given seed is seed + i, so that
+        each draws on its own and the whole request reproduces."""
+        return self if self.seed is None or not i else replace(self, seed=self.seed + i)
 
     def without_penalties(self) -> SamplingParams:
         """These params without the penalties and min_tokens (temperature, the filters and the seed kept)."""
@@ -230,6 +249,63 @@ def to_llama_cpp(params: SamplingParams) -> dict[str, Any]:
     _unsupported(params, {name for name, opt in opts.items() if opt.llama_cpp}, "llama-cpp-python's generate")
     chosen = replace(params, top_k=1, top_p=1.0, min_p=0.0) if params.greedy else params
     return {opt.llama_cpp: getattr(chosen, name) for name, opt in opts.items() if opt.llama_cpp}
+
+
+# llama-server's sampler chain when a request names none, and the samplers of that chain verispec does not have,
+# which are off at their settings' defaults (a request that sets those settings is refused by the server)
+LLAMA_SERVER_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+LLAMA_SERVER_OFF_SAMPLERS = frozenset({"dry", "top_n_sigma", "typ_p", "xtc"})
+LLAMA_SERVER_RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama-server's seeds for "a fresh one"
+
+
+def llama_server_fields() -> dict[str, tuple[str, Any]]:
+    """llama-server's sampling fields: its name -> (the option's name, llama-server's default for it)."""
+    defaults = option_defaults()
+    return {opt.llama_server: (name, defaults[name] if opt.llama_server_default is None else opt.llama_server_default)
+            for name, opt in sampling_options().items() if opt.llama_server}
+
+
+def from_llama_server(values: Mapping[str, Any], samplers: Sequence[str] = LLAMA_SERVER_SAMPLERS) -> SamplingParams:
+    """SamplingParams for a request to llama-server's own API: `values` by llama-server's field names (its
+    defaults for those left out, see llama_server_fields). llama.cpp runs only the samplers listed in `samplers`, so
+    an option whose sampler is not listed is off (without the temperature sampler, llama.cpp samples the
+    distribution as it is: a temperature of 1); a temperature <= 0 is greedy; a top_k or min_p <= 0 and a top_p
+    >= 1 are off, as in llama.cpp; seed -1 is a fresh one. ValueError: a value the library refuses, a sampler
+    verispec has not (those of LLAMA_SERVER_OFF_SAMPLERS are off at their defaults and may be listed)."""
+    opts = sampling_options()
+    known = {opt.sampler for opt in opts.values() if opt.sampler} | LLAMA_SERVER_OFF_SAMPLERS
+    unknown = [s for s in samplers if s not in known]
+    if unknown:
+        raise ValueError(f"the sampler '{unknown[0]}' is not supported (supported: {', '.join(sorted(known))})")
+    out: dict[str, Any] = {}
+    for field_name, (name, default) in llama_server_fields().items():
+        value = values.get(field_name, default)
+        sampler = opts[name].sampler
+        if sampler is not None and sampler not in samplers:  # off: the library's default, but a temperature of 1
+            if name == "temperature":
+                out[name] = 1.0
+            continue
+        if name == "temperature":
+            value = max(0.0, value)
+        elif name in ("top_k", "min_p") and value <= 0 or name == "top_p" and value >= 1:
+            continue
+        elif name == "seed" and value in LLAMA_SERVER_RANDOM_SEEDS:
+            continue
+        out[name] = value
+    return SamplingParams(**out)
+
+
+def openai_to_llama_server(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """llama-server's sampling fields for an OpenAI request's (to_openai's, by the options' names; other fields such
+    as stop pass as they are): every option llama-server has, those not given at the library's default (off), so
+    that llama-server's own defaults (top_k 40, min_p 0.05) do not apply."""
+    defaults, opts = option_defaults(), sampling_options()
+    out = {key: value for key, value in fields.items() if key not in opts}
+    for name, opt in opts.items():
+        if opt.llama_server:
+            value = fields.get(name, defaults[name])
+            out[opt.llama_server] = LLAMA_SERVER_RANDOM_SEEDS[0] if name == "seed" and value is None else value
+    return out
 
 
 def to_openai(params: SamplingParams) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from verispec.decoding.request import Committed, Request
 from verispec.names.errors import SpecError
 from verispec.names.options import MAX_NEW_TOKENS, sampling_from
 from verispec.pipeline.completion import Completion
+from verispec.pipeline.fim import NO_FIM, Budget, FimLayout, file_pairs
 from verispec.pipeline.provenance import Piece, ProvenanceText
 from verispec.pipeline.slots import Slots, drain
 from verispec.pipeline.text import encode_messages
@@ -102,7 +103,8 @@ class TextStream:
 
     @property
     def result(self) -> Completion:
-        return Completion.of(self._text.text if self._with_text else "", self._generation.result)
+        text = self._text if self._with_text else None
+        return Completion.of(text.text if text else "", self._generation.result, text.stop_reason if text else None)
 
 
 def _is_prompt_list(prompt: Any) -> bool:
@@ -251,15 +253,38 @@ class Pipeline:
             return items
         raise TypeError("a prompt is text, a list of chat messages ({'role', 'content'} dicts) or token ids")
 
-    def request(self, prompt: Prompt, *, max_new_tokens: int | None = None, stop: Sequence[str] | str = (),
-                k: int | str | None = None, generation_config=None, **sampling: Any) -> Request:
-        """The Request for a prompt and these settings. `sampling`: SamplingParams' options by name (None: unset;
-        verispec.names.options declares them); they win over `generation_config` (a transformers GenerationConfig), which wins over greedy
-        decoding and max_new_tokens MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before
-        them). `k`: this generation's draft tokens per round (None: the pipeline's)."""
+    @property
+    def fim(self) -> FimLayout | None:
+        """The target's fill-in-the-middle layout (verispec.pipeline.fim; None: its tokenizer has no FIM markers)."""
+        return FimLayout.of(self.tokenizer)
+
+    def encode_infill(self, prefix: str, suffix: str, files: Any = (), prompt: str = "",
+                      budget: Budget = Budget()) -> list[int]:
+        """Token ids of a fill-in-the-middle prompt: the middle between `prefix` (then `prompt`, text typed after
+        it) and `suffix`, with the repository's other `files` before it (a mapping name -> text, or (name, text)
+        pairs), laid out as the model was trained to read them (verispec.pipeline.fim). ValueError: the model
+        has no FIM markers; TypeError: a part that is not text."""
+        if not all(isinstance(part, str) for part in (prefix, suffix, prompt)):
+            raise TypeError("a fill-in-the-middle prompt's prefix, suffix and prompt are text")
+        layout = self.fim
+        if layout is None:
+            raise ValueError(NO_FIM)
+        return layout.encode(self.tokenizer, prefix, suffix, file_pairs(files), prompt, budget)
+
+    def request(self, prompt: Prompt, *, suffix: str | None = None, files: Any = (), max_new_tokens: int | None = None,
+                stop: Sequence[str] | str = (), k: int | str | None = None, generation_config=None,
+                **sampling: Any) -> Request:
+        """The Request for a prompt and these settings. `suffix`: fill in the middle between the prompt (text) and
+        this suffix, with the repository's other `files` before them (see `encode_infill`). `sampling`:
+        SamplingParams' options by name (None: unset; verispec.names.options declares them); they win over
+        `generation_config` (a transformers GenerationConfig), which wins over greedy decoding and max_new_tokens
+        MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before them). `k`: this
+        generation's draft tokens per round (None: the pipeline's)."""
         params, max_new = sampling_settings(generation_config, max_new_tokens=max_new_tokens, **sampling)
-        return Request(prompt_ids=self.encode(prompt), params=params, max_new_tokens=max_new, num_draft_tokens=k,
-                       stop=stop)
+        if suffix is None and files:
+            raise ValueError("files are the context of a fill-in-the-middle prompt: give a suffix too")
+        ids = self.encode(prompt) if suffix is None else self.encode_infill(prompt, suffix, files)
+        return Request(prompt_ids=ids, params=params, max_new_tokens=max_new, num_draft_tokens=k, stop=stop)
 
     def stream(self, prompt: Prompt | Request, *, streamer=None, **settings: Any) -> TextStream:
         """Generate, yielding text pieces as they are committed (see TextStream; `.pieces()` for provenance):
@@ -272,7 +297,7 @@ class Pipeline:
             request = prompt
         else:
             request = self.request(prompt, **settings)
-        text = ProvenanceText(self.tokenizer, request.stop)
+        text = ProvenanceText.of(self.tokenizer, request)
         generation = self.generator.stream(request, stop=text.stop_test)
         return TextStream(generation, text, request.prompt_ids, streamer)
 

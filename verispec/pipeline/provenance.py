@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from verispec.decoding.request import Request
 from verispec.pipeline.text import TextAssembler
 
 DRAFT, TARGET = "draft", "target"  # a token drafted and accepted; a token the target produced
@@ -43,16 +44,22 @@ class ProvenanceText:
     `stop_index` is the engine's stop callback; its `text` the final text); each token's text is where the
     assembler's text stood once it had read the token (`assembler.ends`), so a round costs what its tokens cost."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
-        self.assembler = TextAssembler(tokenizer, stop)
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_indent: int = 0,
+                 newline_after: float | None = None) -> None:
+        self.assembler = TextAssembler(tokenizer, stop, min_indent, newline_after)
         self._sources: list[str] = []  # per generated token: DRAFT or TARGET
         self._done = 0  # tokens already handed out in a piece
         self._shown = 0  # characters already handed out
 
+    @classmethod
+    def of(cls, tokenizer, request: Request) -> ProvenanceText:
+        """The text of a request's generation, with its stop strings and line rules."""
+        return cls(tokenizer, request.stop, request.min_indent, request.newline_after)
+
     @property
     def stop_test(self) -> Callable[[list[int]], int | None] | None:
-        """The engine's test for the stop strings, on generated ids (None: there are none to test)."""
-        return self.assembler.stop_index if self.assembler.stop else None
+        """The engine's test for the stop strings and line rules, on generated ids (None: there are none)."""
+        return self.assembler.stop_index if self.assembler.has_stops else None
 
     def push(self, chunk: Sequence[int], accepted: int | None = None) -> Piece | None:
         """Add one round's tokens (`accepted`: how many were drafted-and-accepted; default: the chunk's own
@@ -94,6 +101,11 @@ class ProvenanceText:
     def text(self) -> str:
         """The text so far (final once `finish` was called): cut before a stop string."""
         return self.assembler.text
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string or line rule that ended the text (None: none has)."""
+        return self.assembler.stopped_by
 
 
 __all__ = ["DRAFT", "TARGET", "Piece", "ProvenanceText"]

@@ -24,7 +24,7 @@ class Slot:
 
     def __init__(self, request: Request, tokenizer) -> None:
         self.request = request
-        self.text = ProvenanceText(tokenizer, request.stop)
+        self.text = ProvenanceText.of(tokenizer, request)
         self.result: GenerationResult | None = None  # set by the Slots that took the request
         self.done = False
 
@@ -35,7 +35,7 @@ class Slot:
     def finish(self) -> tuple[Piece | None, Completion]:
         """The text held back to the end (None: none), and the Completion so far (final once `done`)."""
         rest = self.text.finish()
-        return rest, Completion.of(self.text.text, self.result)
+        return rest, Completion.of(self.text.text, self.result, self.text.stop_reason)
 
 
 class Slots:

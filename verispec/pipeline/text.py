@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import bisect
 import re
+import time
 import weakref
 from collections.abc import Sequence
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete multi-byte character
+INDENT, NEWLINE = "indent", "newline"  # TextAssembler.stopped_by for its line rules (else the stop string)
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -66,11 +68,24 @@ class TextAssembler:
     it; of those found, the one that ends first wins (see _find_stop). `stop_index` maps the stop's end to the ids to
     keep from the per-id text lengths, without decoding again. The stop test may read ids before they are pushed
     (the engine tests a round's ids before the text shows them); `push` then does not read them again.
+
+    Two line rules, for code completion (llama-server's n_indent and t_max_predict_ms), end the text like a stop:
+    `min_indent` > 0: a line after the first whose first character other than a space or tab (a blank line's
+    newline included) comes at a smaller indent ends the text before that character; `newline_after` seconds: once
+    that long has passed since the first id was read, the next newline ends the text after it (a round's text
+    counts as read when its round is tested). `stopped_by` says what ended the text: the stop string, INDENT or
+    NEWLINE (None: nothing).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_indent: int = 0, newline_after: float | None = None,
+                 clock=time.monotonic) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_indent, self.newline_after, self._clock = min_indent, newline_after, clock
+        self.stopped_by: str | None = None
+        self._first_read: float | None = None  # when the first id was read (newline_after counts from then)
+        self._indent_from = 0  # the line rules look for newlines from here on
+        self._newline_from = 0
         self.longest = max((len(s) for s in self.stop), default=1)
         self.holdback = self.longest - 1
         self.ids: list[int] = []  # the ids pushed
@@ -94,8 +109,15 @@ class TextAssembler:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    @property
+    def has_stops(self) -> bool:
+        """Whether anything but the ids' end can end the text (stop strings or a line rule)."""
+        return bool(self.stop) or self.min_indent > 0 or self.newline_after is not None
+
     def _read(self, token: int) -> None:
         """Decode one more id: its window, and the text it completes."""
+        if self._first_read is None:
+            self._first_read = self._clock()
         self.read.append(token)
         window = self._decode(self.read[self._prefix :])
         in_run = self._in_run = token in self._bytes or (token in self._special and self._in_run)
@@ -135,16 +157,49 @@ class TextAssembler:
         _, start, stop = min(hits)
         return start, stop
 
+    def _line_hits(self, known: int) -> list[tuple[int, int, str]]:
+        """The line rules' stops in the text up to `known` characters: (where each is decided, where it cuts, the
+        rule)."""
+        hits = []
+        if self.newline_after is not None and self._first_read is not None:
+            start, self._newline_from = self._newline_from, self._length
+            if self._clock() - self._first_read >= self.newline_after:
+                at = self._slice(start, known).find("\n")
+                if at >= 0:
+                    hits.append((start + at + 1, start + at + 1, NEWLINE))
+        if self.min_indent > 0:
+            start = self._indent_from
+            text, at = self._slice(start, known), 0
+            self._indent_from = self._length
+            while (at := text.find("\n", at)) >= 0:
+                first = at + 1
+                while first < len(text) and text[first] in " \t":
+                    first += 1
+                if first == len(text):  # its indent is not known yet: look at this line again next time
+                    self._indent_from = min(self._indent_from, start + at)
+                    break
+                if first - at - 1 < self.min_indent:
+                    hits.append((start + first + 1, start + first, INDENT))
+                    break
+                at = first
+        return hits
+
     def _search(self) -> None:
-        """Look for a stop string in the text not searched yet (and the longest stop's length before it)."""
-        if not self.stop or self._stop_keep is not None:
+        """Look for a stop string in the text not searched yet (and the longest stop's length before it), and for
+        the line rules' stops."""
+        if not self.has_stops or self._stop_keep is not None:
             return
-        start = max(0, self._searched - (self.longest - 1))
-        hit = self._find_stop(self._slice(start, self._length + len(self._tail)))
+        known = self._length + len(self._tail)
+        hits = self._line_hits(known)
+        if self.stop:
+            start = max(0, self._searched - (self.longest - 1))
+            hit = self._find_stop(self._slice(start, known))
+            if hit is not None:
+                hits.append((start + hit[0] + len(hit[1]), start + hit[0], hit[1]))
         self._searched = self._length
-        if hit is None:
+        if not hits:
             return
-        self.stop_at, end = start + hit[0], start + hit[0] + len(hit[1])
+        end, self.stop_at, self.stopped_by = min(hits)
         keep = len(self.read)
         while keep > 1 and self.lengths[keep - 2] >= end:
             keep -= 1
@@ -165,18 +220,19 @@ class TextAssembler:
         """Forget every id read from the n-th on (read again from the start: a stop test is never shown fewer ids
         than it saw, so this is not a path the engine takes)."""
         kept = self.read[:n]
-        state = TextAssembler(self.tokenizer, self.stop)
+        state = TextAssembler(self.tokenizer, self.stop, self.min_indent, self.newline_after, self._clock)
         for token in kept:
             state._read(token)
         for name in ("read", "lengths", "ends", "_parts", "_starts", "_length", "_tail", "_prefix", "_split",
                      "_prefix_text", "_in_run"):
             setattr(self, name, getattr(state, name))
-        self._searched, self._stop_keep, self.stop_at = 0, None, None
+        self._searched, self._stop_keep, self.stop_at, self.stopped_by = 0, None, None, None
+        self._indent_from = self._newline_from = 0
 
     def stop_index(self, generated: list[int]) -> int | None:
         """Engine callback: how many generated tokens to keep when a stop string has appeared (the ids only grow
         between calls)."""
-        if not self.stop:
+        if not self.has_stops:
             return None
         if len(generated) < len(self.read):
             self._rewind(len(generated))

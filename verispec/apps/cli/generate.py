@@ -15,6 +15,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = _command(sub, "generate", "generate text for one prompt")
     g.add_argument("--prompt", required=True, help="the prompt; - reads it from standard input (less one final "
                                                    "newline)")
+    g.add_argument("--suffix", help="fill in the middle: the text after the gap, the prompt being the text before it "
+                                    "(a code model with fill-in-the-middle tokens, e.g. the default target); - reads "
+                                    "it from standard input (default: none, a plain completion)")
+    g.add_argument("--file", action="append", default=[], metavar="PATH",
+                   help="with --suffix: another file of the repository, put before the gap as context (repeatable)")
     g.add_argument("--chat", action="store_true", help="apply the chat template (the prompt is a user message)")
     g.add_argument("--system", help="system message (implies --chat) (default: none)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -22,27 +27,56 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=cmd_generate)
 
 
-def _prompt_text(prompt: str) -> str:
-    """--prompt's text; '-' reads standard input (less one final newline, which `echo` adds)."""
+def _prompt_text(prompt: str, flag: str = "--prompt") -> str:
+    """A text flag's value; '-' reads standard input (less one final newline, which `echo` adds)."""
     if prompt != "-":
         return prompt
     text = sys.stdin.read()
     text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
     if not text:
-        raise UsageError("--prompt -: standard input is empty")
+        raise UsageError(f"{flag} -: standard input is empty")
     return text
+
+
+def _files(paths: list[str]) -> list[tuple[str, str]]:
+    """--file: (path, text) of each file, read as UTF-8."""
+    out = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                out.append((path, f.read()))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--file {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    return out
+
+
+def _prompt_ids(pipe, args) -> list[int]:
+    """The prompt's ids: plain text, a chat user message (a system message implies the chat template), or the
+    fill-in-the-middle prompt of --prompt and --suffix with --file's files."""
+    from verispec.pipeline.text import encode_prompt
+
+    if args.suffix is None:
+        if args.file:
+            raise UsageError("--file is the context of a fill-in-the-middle prompt: give --suffix too")
+        return encode_prompt(pipe.tokenizer, _prompt_text(args.prompt), args.chat or args.system is not None,
+                             args.system)
+    if args.chat or args.system is not None:
+        raise UsageError("--suffix fills in the middle of a text: it takes no --chat or --system")
+    if args.prompt == "-" and args.suffix == "-":
+        raise UsageError("--prompt and --suffix cannot both read standard input")
+    try:
+        return pipe.encode_infill(_prompt_text(args.prompt), _prompt_text(args.suffix, "--suffix"), _files(args.file))
+    except ValueError as exc:  # a target without fill-in-the-middle tokens
+        raise UsageError(f"--suffix: {exc}") from None
 
 
 def cmd_generate(args) -> int:
     from verispec.apps.repl import LEGEND, TokenWriter
     from verispec.decoding.request import Request
-    from verispec.pipeline.text import encode_prompt
 
     params = _settings(args)
-    prompt = _prompt_text(args.prompt)
     pipe = _pipeline(args)
-    # a system message is part of a chat template: --system implies --chat
-    prompt_ids = encode_prompt(pipe.tokenizer, prompt, args.chat or args.system is not None, args.system)
+    prompt_ids = _prompt_ids(pipe, args)
     color = _color(args) and not args.json
     out = TokenWriter(sys.stdout, color)
     if color:

@@ -24,90 +24,30 @@ headers and bounds the body before any of this runs.
 from __future__ import annotations
 
 import asyncio
-import json
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.apps.server.guard import Guard, GuardSettings
 from verispec.apps.server.metrics import Metrics
-from verispec.apps.server.protocol import check_json_shape, error_body, unsupported_field
+from verispec.apps.server.protocol import APIError, error_body, validation_message
+from verispec.apps.server.routes import ROUTES
 from verispec.apps.server.settings import ServerSettings
+from verispec.apps.server.state import RETRY_AFTER_SECONDS, ServerState
 from verispec.apps.server.worker import Worker
 from verispec.backends.threads import release_openmp_threads
 from verispec.pipeline.pipeline import Pipeline
 
-RETRY_AFTER_SECONDS = 1
 SHUTDOWN_MESSAGE = "the server is shutting down"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-        self.headers = headers
-
-
-@dataclass(frozen=True)
-class ServerState:
-    """What the routes (verispec.apps.server.routes) read, at `app.state.server`: built once by create_app."""
-
-    pipeline: Pipeline
-    settings: ServerSettings
-    worker: Worker
-    metrics: Metrics
-    tokenizing: ThreadPoolExecutor  # one thread: tokenisation and chat templates, off the event loop
-    setup: dict  # /v1/models' extension field: what runs (backend, drafter, k, batching) and why
-    n_ctx: int
-    vocab_size: int
-
-    @property
-    def speculative(self) -> bool:
-        return self.pipeline.draft is not None
-
-
-def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
-    return (f"invalid value for '{param}': {err.get('msg')}" if param else str(err.get("msg"))), param
 
 
 def context_length(pipeline: Pipeline) -> int:
     """Tokens the pair can hold: the target's context, or the draft model's when that is shorter."""
     return pipeline.context_length
-
-
-def parse_body(raw: bytes, model_cls):
-    """A validated request model from a raw body, or APIError(400) saying what is wrong with it."""
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        raise APIError(400, "the body is nested too deeply") from None
-    except ValueError:  # bad JSON, bad UTF-8, an integer of thousands of digits
-        raise APIError(400, "the body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object")
-    problem = check_json_shape(data)
-    if problem:
-        raise APIError(400, problem)
-    field = unsupported_field(data)
-    if field:
-        raise APIError(400, f"'{field}' is not supported by this server", field, "unsupported_parameter")
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as exc:
-        message, param = _validation_message(exc)
-        raise APIError(400, message, param) from None
-    except RecursionError:
-        raise APIError(400, "the body is nested too deeply") from None
 
 
 # -- every error in OpenAI's format ---------------------------------------------------------------------
@@ -123,7 +63,7 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    message, param = _validation_message(exc)
+    message, param = validation_message(exc)
     return _error(400, message, param)
 
 
@@ -167,8 +107,6 @@ def _setup(pipeline: Pipeline, settings: ServerSettings, worker: Worker) -> dict
 
 
 def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
-    from verispec.apps.server.routes import ROUTES  # the routes import this module's errors and state
-
     metrics = Metrics()
     worker = Worker(pipeline, settings.max_queue, metrics, settings.max_batch)
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verispec-tokenize")

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from verispec.apps.server.app import APIError
-from verispec.apps.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from verispec.apps.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
+from verispec.pipeline.fim import NO_FIM, FimLayout
 from verispec.pipeline.text import encode_messages
 
 if TYPE_CHECKING:
-    from verispec.apps.server.app import ServerState
     from verispec.apps.server.settings import ServerSettings
+    from verispec.apps.server.state import ServerState
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
@@ -30,6 +30,13 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
 
 
 def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
+    """The prompt's ids; with a suffix, the fill-in-the-middle prompt of the prompt and the suffix
+    (verispec.pipeline.fim), a 400 for a model without FIM tokens."""
+    if req.suffix is not None:
+        layout = FimLayout.of(tokenizer)
+        if layout is None:
+            raise APIError(400, NO_FIM, "suffix", "fim_not_supported")
+        return layout.encode(tokenizer, req.prompt, req.suffix)
     if not req.prompt:
         raise APIError(400, "the prompt is empty", "prompt")
     prompt_ids = list(tokenizer(req.prompt).input_ids)
@@ -39,23 +46,29 @@ def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
 
 
 def max_new_tokens(req: SamplingFields, n_prompt: int, settings: ServerSettings, n_ctx: int) -> int:
-    """The request's max_tokens, checked against the cap and the context (vLLM's rule: prompt plus
-    completion must fit); unasked, the default clipped to what the context has left."""
+    """The request's max_tokens, checked against the cap and the context (see max_tokens_within)."""
+    prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    return max_tokens_within(req.requested_max_tokens(), n_prompt, settings, n_ctx, "max_tokens", prompt_param)
+
+
+def max_tokens_within(asked: int | None, n_prompt: int, settings: ServerSettings, n_ctx: int, param: str,
+                      prompt_param: str) -> int:
+    """`asked` new tokens (the request's field `param`), checked against the cap and the context (vLLM's rule:
+    prompt plus completion must fit); None: the server's default clipped to what the context has left. A prompt
+    over the server's limit or the context is refused too (naming `prompt_param`)."""
     if n_prompt > settings.max_prompt_tokens or n_prompt >= n_ctx:
         limit = min(settings.max_prompt_tokens, n_ctx - 1)
-        prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         raise APIError(400, f"This model's maximum context length is {n_ctx} tokens and prompts may have at most "
                             f"{limit} tokens; your prompt has {n_prompt} tokens.", prompt_param,
                        "context_length_exceeded")
-    asked = req.requested_max_tokens()
     if asked is None:
         return min(settings.default_max_tokens, n_ctx - n_prompt)
     if asked > settings.max_tokens_cap:
-        raise APIError(400, f"max_tokens is {asked}; the limit is {settings.max_tokens_cap}", "max_tokens")
+        raise APIError(400, f"{param} is {asked}; the limit is {settings.max_tokens_cap}", param)
     if n_prompt + asked > n_ctx:
         raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
                             f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} for the completion). "
-                            f"Please reduce the length of the prompt or completion.", "max_tokens",
+                            f"Please reduce the length of the prompt or completion.", param,
                        "context_length_exceeded")
     return asked
 

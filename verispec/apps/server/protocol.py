@@ -1,4 +1,5 @@
-"""OpenAI request models (pydantic), OpenAI-style error bodies, and the checks a parsed body must pass.
+"""OpenAI request models (pydantic), OpenAI-style error bodies, the checks a parsed body must pass, and
+`parse_body` (a raw body to a validated request, or an APIError: the 4xx the server answers with).
 
 Fields that would change a request's meaning are either honoured or refused with a 400 naming them;
 only fields that change nothing (e.g. `user`) are ignored.
@@ -6,18 +7,28 @@ only fields that change nothing (e.g. `user`) are ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from verispec.names.drafters import DRAFTER_NAMES
 from verispec.names.options import Bounds, SamplingParams, option_defaults, option_types, sampling_options
 
 K_REQUEST_MAX = 32  # the largest num_draft_tokens a request may ask for
-MAX_STOP_SEQUENCES = 4
+MAX_STOP_SEQUENCES = 32  # OpenAI takes 4; editors' plugins send a dozen or more (vLLM and llama.cpp take any)
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_JSON_DEPTH = 32  # a request body nested deeper than this is refused before validation
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -39,7 +50,6 @@ UNSUPPORTED = {
     "logit_bias": lambda v: _default(v, {}),
     "best_of": lambda v: _default(v, 1),
     "echo": lambda v: _default(v, False),
-    "suffix": lambda v: _default(v, ""),
     "prompt_logprobs": lambda v: _default(v, 0),
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,
@@ -72,6 +82,39 @@ def check_json_shape(data, max_depth: int = MAX_JSON_DEPTH) -> str | None:
             except UnicodeEncodeError:
                 return "the body contains a string that is not valid Unicode (a lone surrogate)"
     return None
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    return (f"invalid value for '{param}': {err.get('msg')}" if param else str(err.get("msg"))), param
+
+
+def parse_body(raw: bytes, model_cls, unsupported=unsupported_field):
+    """A validated request model from a raw body, or APIError(400) saying what is wrong with it (`unsupported`:
+    the test naming a field the endpoint does not honour)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
+    except ValueError:  # bad JSON, bad UTF-8, an integer of thousands of digits
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    problem = check_json_shape(data)
+    if problem:
+        raise APIError(400, problem)
+    field = unsupported(data)
+    if field:
+        raise APIError(400, f"'{field}' is not supported by this server", field, "unsupported_parameter")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise APIError(400, message, param) from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
 
 
 class ContentPart(BaseModel):
@@ -190,6 +233,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
+    suffix: str | None = Field(None, description="fill in the middle between the prompt and this suffix (a model "
+                                                 "with fill-in-the-middle tokens)")
     logprobs: int | None = Field(None, ge=0, le=5)
 
     @field_validator("prompt")

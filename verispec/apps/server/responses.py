@@ -117,6 +117,32 @@ def usage_chunk(reply: Reply, n_prompt: int, result: Completion) -> dict:
             "choices": [], "usage": usage(n_prompt, result), "verispec": spec(result)}
 
 
+@dataclass(frozen=True)
+class OpenAIAnswer:
+    """How /v1/chat/completions and /v1/completions answer (see verispec.apps.server.routes' `serve`): a whole
+    completion body, or a stream of chunks ending with the final chunk, the usage chunk when asked for, and
+    [DONE]."""
+
+    reply: Reply
+    include_usage: bool
+    tokenizer: object
+
+    done = DONE
+
+    def opening(self) -> list[dict]:
+        return [chunk(self.reply, self.include_usage, first=True)] if self.reply.chat else []
+
+    def piece(self, piece: Piece) -> dict:
+        return chunk(self.reply, self.include_usage, piece)
+
+    def closing(self, result: Completion, n_prompt: int) -> list[dict]:
+        last = [final_chunk(self.reply, self.include_usage, result)]
+        return last + ([usage_chunk(self.reply, n_prompt, result)] if self.include_usage else [])
+
+    def body(self, text: str, result: Completion, n_prompt: int) -> dict:
+        return completion_body(self.reply, text, result, n_prompt, self.tokenizer)
+
+
 def error_event(message: str) -> str:
     """A failure after the stream began (its status is already sent): an error body as the last event."""
     return event(error_body(message, "server_error"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -17,12 +18,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.apps.server import responses
-from verispec.apps.server.app import RETRY_AFTER_SECONDS, APIError, ServerState, parse_body
 from verispec.apps.server.generation import chat_prompt, completion_prompt, generation_request
-from verispec.apps.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from verispec.apps.server.infill import InfillAnswer, InfillRequest, infill_prompt, infill_request
+from verispec.apps.server.infill import unsupported_field as infill_unsupported
+from verispec.apps.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from verispec.apps.server.responses import Reply
+from verispec.apps.server.state import RETRY_AFTER_SECONDS, ServerState
 from verispec.apps.server.worker import Job, QueueFull, ShuttingDown, Worker
 from verispec.pipeline.pipeline import Completion
+from verispec.pipeline.provenance import Piece
 
 STATIC = Path(__file__).parent / "static"
 PAGE_FILES = {"": "index.html", "static/chat.js": "chat.js", "static/chat.css": "chat.css"}
@@ -51,77 +55,116 @@ def submit(worker: Worker, job: Job) -> None:
         raise APIError(503, str(exc), code="server_unavailable", type_="server_error") from None
 
 
-async def watch_disconnect(request: Request, worker: Worker, job: Job) -> None:
+def submit_all(worker: Worker, jobs: list[Job]) -> None:
+    """Queue every job of one request, or none of them (the refusal of `submit`)."""
+    try:
+        for job in jobs:
+            submit(worker, job)
+    except APIError:
+        for job in jobs:
+            worker.cancel(job)
+        raise
+
+
+async def watch_disconnect(request: Request, worker: Worker, jobs: list[Job]) -> None:
     """Wait for the client to go away (the body is read, so the next message is the disconnect), then
-    cancel the job and wake its reader."""
+    cancel its jobs and wake their readers."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    worker.cancel(job)
-    job.events.put_nowait(("cancelled", None))
+    for job in jobs:
+        worker.cancel(job)
+        job.events.put_nowait(("cancelled", None))
 
 
-async def wait(request: Request, worker: Worker, job: Job):
-    """(kind, payload) of the job's last event: done, error, unavailable or cancelled."""
-    watcher = asyncio.create_task(watch_disconnect(request, worker, job))
+async def _last_event(job: Job):
+    while True:
+        kind, payload = await job.events.get()
+        if kind != "delta":
+            return kind, payload
+
+
+async def wait(request: Request, worker: Worker, jobs: list[Job]) -> list[tuple[str, object]]:
+    """(kind, payload) of each job's last event: done, error, unavailable or cancelled."""
+    watcher = asyncio.create_task(watch_disconnect(request, worker, jobs))
     try:
-        while True:
-            kind, payload = await job.events.get()
-            if kind != "delta":
-                return kind, payload
+        return list(await asyncio.gather(*(_last_event(job) for job in jobs)))
     finally:
         watcher.cancel()
-        worker.cancel(job)
+        for job in jobs:
+            worker.cancel(job)
 
 
-async def serve(request: Request, req: SamplingFields, job: Job, state: ServerState, chat: bool):
+class Answer(Protocol):
+    """How an endpoint writes a generation's answer: its whole `body`, or a stream of events (`opening` ones, one
+    per `piece` of text, the `closing` ones, then `done`). OpenAI's (responses.OpenAIAnswer) and llama-server's
+    /infill (infill.InfillAnswer)."""
+
+    done: str
+
+    def opening(self) -> list[dict]: ...
+
+    def piece(self, piece: Piece) -> dict: ...
+
+    def closing(self, result: Completion, n_prompt: int) -> list[dict]: ...
+
+    def body(self, text: str, result: Completion, n_prompt: int) -> dict: ...
+
+
+async def serve(request: Request, job: Job, state: ServerState, answer: Answer, streamed: bool):
     """Submit the job and answer with its stream, or wait for its whole completion."""
     submit(state.worker, job)
-    reply = Reply.new(req.model, chat)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream(request, job, reply, include_usage, state),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    if streamed:
+        return StreamingResponse(stream(request, job, answer, state), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    bodies = await wait_bodies(request, [job], state, [answer])
+    return bodies if isinstance(bodies, Response) else bodies[0]
+
+
+async def wait_bodies(request: Request, jobs: list[Job], state: ServerState, answers: list[Answer]):
+    """Each submitted job's whole answer, once all are done (a Response for a client that went away)."""
     state.metrics.in_progress.inc()
     try:
-        kind, payload = await wait(request, state.worker, job)
+        events = await wait(request, state.worker, jobs)
     finally:
         state.metrics.in_progress.dec()
-    if kind == "cancelled":
+    if any(kind == "cancelled" for kind, _ in events):
         return Response(status_code=499)  # nobody reads it: the client is gone
+    return [answer.body(job.text, finished(kind, payload), len(job.request.prompt_ids))
+            for job, answer, (kind, payload) in zip(jobs, answers, events)]
+
+
+def finished(kind: str, payload) -> Completion:
+    """A job's Completion from its last event, or the APIError its failure answers with."""
     if kind == "unavailable":
         raise APIError(503, payload, code="server_unavailable", type_="server_error")
     if kind == "error":
         raise APIError(500, payload, type_="server_error")
-    result: Completion = payload
-    return responses.completion_body(reply, job.text, result, len(job.request.prompt_ids),
-                                     state.pipeline.tokenizer)
+    return payload
 
 
-async def stream(request: Request, job: Job, reply: Reply, include_usage: bool, state: ServerState):
-    """The job's events as server-sent events: pieces of text, then the final chunk (and the usage chunk when
-    asked for) or an error event, then [DONE]; nothing more once the client has gone."""
+async def stream(request: Request, job: Job, answer: Answer, state: ServerState):
+    """The job's events as server-sent events: the answer's opening, pieces of text, then its closing events or
+    an error event, then its end; nothing more once the client has gone."""
     worker, metrics = state.worker, state.metrics
     metrics.in_progress.inc()
-    watcher = asyncio.create_task(watch_disconnect(request, worker, job))
+    watcher = asyncio.create_task(watch_disconnect(request, worker, [job]))
     try:
-        if reply.chat:
-            yield responses.event(responses.chunk(reply, include_usage, first=True))
+        for body in answer.opening():
+            yield responses.event(body)
         while True:
             kind, payload = await job.events.get()
             if kind == "delta":
-                yield responses.event(responses.chunk(reply, include_usage, payload))
+                yield responses.event(answer.piece(payload))
             elif kind == "cancelled":
                 return
             elif kind in ("error", "unavailable"):
                 yield responses.error_event(payload)
                 break
             else:
-                result: Completion = payload
-                yield responses.event(responses.final_chunk(reply, include_usage, result))
-                if include_usage:
-                    yield responses.event(responses.usage_chunk(reply, len(job.request.prompt_ids), result))
+                for body in answer.closing(payload, len(job.request.prompt_ids)):
+                    yield responses.event(body)
                 break
-        yield responses.DONE
+        yield answer.done
     finally:  # also when the client went away: the worker stops at its next round
         watcher.cancel()
         worker.cancel(job)
@@ -142,7 +185,33 @@ async def _complete(request: Request, model_cls, encode, chat: bool):
     req = parse_body(await request.body(), model_cls)
     prompt_ids = await tokenize(state, encode, state.pipeline.tokenizer, req)
     job = Job(generation_request(req, prompt_ids, state), asyncio.get_running_loop())
-    return await serve(request, req, job, state, chat=chat)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    answer = responses.OpenAIAnswer(Reply.new(req.model, chat), include_usage, state.pipeline.tokenizer)
+    return await serve(request, job, state, answer, req.stream)
+
+
+async def infill(request: Request):
+    """llama-server's /infill (verispec.apps.server.infill): one completion, streamed or not, or n_cmpl of them
+    (a list; greedy completions are one generation, copied: they are the same)."""
+    state = server_state(request)
+    req = parse_body(await request.body(), InfillRequest, infill_unsupported)
+    tokenizer = state.pipeline.tokenizer
+    ids = await tokenize(state, infill_prompt, tokenizer, req, state.settings.max_prompt_tokens)
+    name, loop = req.model or state.settings.model_names[0], asyncio.get_running_loop()
+    jobs = [Job(infill_request(req, ids, state, i), loop) for i in range(req.completions)]
+    if req.completions == 1:
+        return await serve(request, jobs[0], state, InfillAnswer(req, name, tokenizer, ids), req.stream)
+    if jobs[0].request.params.greedy:
+        jobs = jobs[:1]
+    submit_all(state.worker, jobs)
+    answers = [InfillAnswer(req, name, tokenizer, ids, i) for i in range(req.completions)]
+    bodies = await wait_bodies(request, jobs, state, answers[: len(jobs)])
+    if isinstance(bodies, Response):
+        return bodies
+    if len(bodies) < len(answers):  # greedy: the one generation, as each completion
+        job = jobs[0]
+        bodies = [answer.body(job.text, job.result, len(ids)) for answer in answers]
+    return bodies
 
 
 async def list_models(request: Request):
@@ -180,6 +249,7 @@ async def prometheus_metrics(request: Request):
 ROUTES = (
     ("/v1/chat/completions", chat_completions, "POST"),
     ("/v1/completions", completions, "POST"),
+    ("/infill", infill, "POST"),
     ("/v1/models", list_models, "GET"),
     ("/static/{name}", page, "GET"),
     ("/", page, "GET"),
