@@ -80,8 +80,16 @@ def test_prompt_formats(tmp_path):
     txt = tmp_path / "p.txt"
     txt.write_text("one\ntwo\n")
     assert [p.text for p in load_prompts(txt)] == ["one", "two"]
-    assert len(load_prompts(None)) >= 12 and {"chat", "code", "code-editing", "summarization", "qa", "math"} <= {
+    assert len(load_prompts(None)) >= 12 and {"chat", "code", "code-editing", "summarization", "qa", "math", "fim"} <= {
         p.category for p in load_prompts(None)}
+    fim = [p for p in load_prompts(None) if p.category == "fim"]
+    assert fim and all(p.infill and p.expected and not p.chat for p in fim) and any(p.files for p in fim)
+    records = tmp_path / "fim.jsonl"
+    records.write_text(json.dumps({"question_id": "x", "prefix": "a", "suffix": "b", "expected": "m",
+                                   "files": [{"filename": "u.py", "text": "U"}, {"text": "V"}]}) + "\n")
+    (infill,) = load_prompts(records)
+    assert (infill.text, infill.suffix, infill.files, infill.expected, infill.category) == (
+        "a", "b", (("u.py", "U"), ("tmp", "V")), "m", "fim")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"x": 1}\n')
     with pytest.raises(ValueError, match="expected a 'turns'"):
@@ -409,7 +417,7 @@ def test_cli_bench_json_only_on_stdout_with_ttft(pair_dirs, tmp_path, capsys):
             after_first = (run["new_tokens"] - run["first_tokens"]) / (run["seconds"] - run["ttft"])
             assert run["decode_tokens_per_second"] == pytest.approx(after_first)
     overall = {c["name"]: c["overall"] for c in report["configs"]}
-    for name in ("plain", "verispec k=2"):
+    for name in ("plain", "model k=2"):
         ttfts = [r["ttft"] for r in report["runs"] if r["config"] == name]
         assert overall[name]["ttft_median"] == pytest.approx(sum(ttfts) / 2)  # two prompts: the mean
         assert overall[name]["decode_tokens_per_second"] > 0
@@ -424,7 +432,7 @@ def test_cli_bench_failed_prompt_is_a_row_and_the_run_goes_on(pair_dirs, tmp_pat
     report = json.loads(captured.out.strip().splitlines()[-1])
     assert report == json.loads((tmp_path / "r.json").read_text())
     failed = [r for r in report["runs"] if r["error"]]
-    assert [(r["prompt_id"], r["config"]) for r in failed] == [("line-2", "plain"), ("line-2", "verispec k=2")]
+    assert [(r["prompt_id"], r["config"]) for r in failed] == [("line-2", "plain"), ("line-2", "model k=2")]
     assert all(r["error"].startswith("ValueError: the prompt has ") and r["new_tokens"] == 0 for r in failed)
     assert report["failures"] == [f"{r['config']} line-2: {r['error']}" for r in failed]
     assert "FAILED" in captured.err and "failed: plain line-2: ValueError" in captured.err
@@ -458,7 +466,7 @@ def test_cli_bench_interrupted_keeps_what_was_measured(pair_dirs, tmp_path, caps
     assert report == json.loads(captured.out.strip().splitlines()[-1])
     assert report["status"] == "interrupted"
     assert [(r["prompt_id"], r["config"]) for r in report["runs"]] == [
-        ("line-1", "plain"), ("line-1", "verispec k=2"), ("line-2", "plain"), ("line-2", "verispec k=2")]
+        ("line-1", "plain"), ("line-1", "model k=2"), ("line-2", "plain"), ("line-2", "model k=2")]
     assert report["configs"][1]["overall"]["speedup_median"] > 0
     assert len(report["plots"]) == 5 and all((tmp_path / "plots" / name).is_file() for name in (
         "speedup_by_category.png", "accepted_length_histogram.png", "acceptance_by_position.png",
@@ -601,3 +609,33 @@ def test_bench_times_the_text_unless_rounds_only(pair_dirs, monkeypatch, text):
                          warmup=0)
     tokens = sum(r.new_tokens for r in runs)
     assert sum(pushed) == (tokens if text else 0) and tokens == 12
+
+
+@pytest.mark.parametrize("backend, drafters, k, want", [
+    ("llamacpp", None, None, ("suffix", "auto")),  # what generate runs there
+    ("hf", None, None, ("model", "4")),
+    ("llamacpp", "ngram", None, ("ngram", "auto")),  # another drafter: that backend's default k
+    ("hf", "ngram", None, ("ngram", "4")),
+    ("llamacpp", None, "2", ("suffix", "2")),
+])
+def test_bench_measures_what_generate_runs_unless_told(monkeypatch, pair_dirs, backend, drafters, k, want):
+    import argparse
+
+    import verispec.assembly.resolve as resolve
+    from verispec.apps.cli.bench import _generate_defaults
+
+    monkeypatch.setattr(resolve, "resolve_target_backend", lambda spec: (backend, "asked"))
+    args = argparse.Namespace(drafters=drafters, num_draft_tokens=k, draft_backend="auto", target=pair_dirs[0],
+                              draft=None, pull=False, backend="auto", device="cpu", dtype="fp32", ctx_size=None,
+                              exact_kernels=False)
+    got_drafters, got_k, note = _generate_defaults(args)
+    assert (got_drafters, got_k) == want and backend in note and f"-k {want[1]}" in note
+
+
+def test_builtin_infills_are_left_out_for_a_target_without_fim_tokens(pair_dirs, tmp_path, capsys):
+    target, draft = pair_dirs
+    code = main(["bench", "--target", target, "--draft", draft, "--dtype", "fp32", "--categories", "fim,qa",
+                 "--max-new-tokens", "2", "--warmup", "0", "--json-out", str(tmp_path / "r.json")])
+    assert code == 0 and "fill-in-the-middle prompts are left out" in capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert {r["category"] for r in report["runs"]} == {"qa"} and report["defaults"].startswith("--drafters model -k 4")

@@ -56,10 +56,10 @@ def test_parse_endpoint_refuses_non_http(bad):
 
 def test_request_for_chat_and_completion():
     path, body = request_for(Prompt("a", "c", "hi", True), "m", {"temperature": 0.0}, 8)
-    assert path == "/chat/completions" and body["messages"] == [{"role": "user", "content": "hi"}]
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hi"}]
     assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
     path, body = request_for(Prompt("b", "humaneval", "def f():", False), "m", {}, 8)
-    assert path == "/completions" and body["prompt"] == "def f():"
+    assert path == "/v1/completions" and body["prompt"] == "def f():"
     _, body = request_for(Prompt("c", "writing", "again", True, ("hi",), ("hello",)), "m", {}, 8)
     assert body["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                                 {"role": "user", "content": "again"}]
@@ -247,3 +247,25 @@ def test_second_turns_carry_the_first_answer(verispec_server, tmp_path, capsys):
         assert run["error"] is None and report["turn"] == int(turn)
         prompt_tokens.append(run["prompt_tokens"])
     assert prompt_tokens[1] > prompt_tokens[0] + len("Say hello.")  # byte tokenizer: turn 1 and its answer too
+
+
+def test_infills_go_to_llama_servers_infill_with_every_option_set():
+    prompt = Prompt("f", "fim", "def f(x):\n", False, suffix="\n    return y\n", files=(("u.py", "U"),))
+    path, body = request_for(prompt, "m", {"temperature": 0.0, "top_p": 1.0, "stop": ["\n\n"]}, 32)
+    assert path == "/infill" and body["stream"] is True and body["n_predict"] == 32
+    assert (body["input_prefix"], body["input_suffix"], body["input_extra"]) == (
+        "def f(x):\n", "\n    return y\n", [{"filename": "u.py", "text": "U"}])
+    # llama-server's own defaults (top_k 40, min_p 0.05) must not apply: every option is sent, off where unset
+    assert (body["temperature"], body["top_k"], body["top_p"], body["min_p"], body["repeat_penalty"],
+            body["seed"], body["stop"]) == (0.0, 0, 1.0, 0.0, 1.0, -1, ["\n\n"])
+
+
+def test_consume_reads_llama_servers_own_stream():
+    lines = ["data: " + json.dumps({"content": c, "stop": False, "tokens_predicted": i + 1})
+             for i, c in enumerate(("    y", " = x"))]
+    lines.append("data: " + json.dumps({"content": "", "stop": True, "tokens_predicted": 5, "tokens_evaluated": 40,
+                                        "stop_type": "eos", "timings": {"draft_n": 6, "draft_n_accepted": 4}}))
+    run = EndpointRun("p", "c", "e")
+    consume(sse_events(lines), run, t0=0.0, clock=_ticks(0.2, 1.0))  # no [DONE]: the stream's end ends it
+    assert (run.text, run.new_tokens, run.prompt_tokens, run.finish_reason) == ("    y = x", 5, 40, "stop")
+    assert (run.usage, run.drafted, run.accepted, run.ttft) == ("server", 6, 4, 0.2)

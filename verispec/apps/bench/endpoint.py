@@ -35,8 +35,9 @@ import httpx
 
 from verispec.apps.bench.loader import Prompt, answer_history
 from verispec.apps.bench.measured import Measured
-from verispec.names.options import SamplingParams, to_openai
+from verispec.names.options import SamplingParams, openai_to_llama_server, to_openai
 
+LLAMA_STOP_TYPES = {"eos": "stop", "word": "stop", "limit": "length"}  # llama-server's stop_type -> finish_reason
 VLLM_COUNTERS = {"vllm:spec_decode_num_draft_tokens_total": "drafted",
                  "vllm:spec_decode_num_accepted_tokens_total": "accepted",
                  "vllm:spec_decode_num_drafts_total": "rounds"}
@@ -104,17 +105,23 @@ class EndpointRun(Measured):
 # -- the wire ------------------------------------------------------------------------------------
 
 def request_for(prompt: Prompt, model: str, sampling: dict, max_tokens: int) -> tuple[str, dict]:
-    """The streaming request for a prompt: chat prompts to /chat/completions, raw ones (HumanEval) to
-    /completions."""
+    """The streaming request for a prompt (its path from the server's root): chat prompts to
+    /v1/chat/completions, raw ones (HumanEval) to /v1/completions, infills to llama-server's /infill (which
+    llama-server and verispec serve; OpenAI's suffix llama-server refuses), its sampling in llama-server's names."""
+    if prompt.infill:
+        return "/infill", {"input_prefix": prompt.text, "input_suffix": prompt.suffix, "n_predict": max_tokens,
+                           "input_extra": [{"filename": name, "text": text} for name, text in prompt.files],
+                           "stream": True, **openai_to_llama_server(sampling)}
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             **sampling}
     if prompt.chat:
-        return "/chat/completions", body | {"messages": prompt.messages()}
-    return "/completions", body | {"prompt": prompt.text}
+        return "/v1/chat/completions", body | {"messages": prompt.messages()}
+    return "/v1/completions", body | {"prompt": prompt.text}
 
 
 def sse_events(lines: Iterable[str]) -> Iterator[dict]:
-    """The JSON objects of a server-sent event stream, up to `data: [DONE]`."""
+    """The JSON objects of a server-sent event stream, up to `data: [DONE]` (or its end: llama-server's own API
+    sends none)."""
     for line in lines:
         if not line.startswith("data:"):
             continue
@@ -131,6 +138,8 @@ def sse_events(lines: Iterable[str]) -> Iterator[dict]:
 
 
 def _delta_text(event: dict) -> str:
+    if isinstance(event.get("content"), str):  # llama-server's own API
+        return event["content"]
     choices = event.get("choices") or []
     if not choices:
         return ""
@@ -160,7 +169,14 @@ def consume(events: Iterable[dict], run: EndpointRun, t0: float, clock: Callable
             usage_seen = True
             run.new_tokens = int(event["usage"].get("completion_tokens", 0))
             run.prompt_tokens = event["usage"].get("prompt_tokens")
-        if isinstance(event.get("verispec"), dict):
+        if event.get("stop") is True:  # llama-server's own API: its last event
+            usage_seen = True
+            run.new_tokens, run.prompt_tokens = int(event.get("tokens_predicted", 0)), event.get("tokens_evaluated")
+            run.finish_reason = LLAMA_STOP_TYPES.get(event.get("stop_type"), event.get("stop_type"))
+            timings = event.get("timings") or {}
+            if "draft_n" in timings:
+                run.drafted, run.accepted = timings["draft_n"], timings.get("draft_n_accepted")
+        if isinstance(event.get("verispec"), dict) and "drafted" in event["verispec"]:
             ext = event["verispec"]
             run.drafted, run.accepted, run.rounds = ext.get("drafted"), ext.get("accepted"), ext.get("rounds")
     run.seconds = clock() - t0
@@ -188,7 +204,7 @@ def run_prompt(client: httpx.Client, endpoint: Endpoint, model: str, prompt: Pro
     before = spec_counters(client, endpoint) if counters else None
     try:
         t0 = clock()
-        with client.stream("POST", endpoint.base_url + path, json=body, headers=_headers(endpoint)) as response:
+        with client.stream("POST", endpoint.root + path, json=body, headers=_headers(endpoint)) as response:
             if response.status_code != 200:
                 response.read()
                 raise EndpointError(f"HTTP {response.status_code}: {response.text.strip()[:200]}")
@@ -306,8 +322,10 @@ WARMUP_TEXT = "Say hello in one short sentence."
 
 
 def warmup_prompt(like: Prompt) -> Prompt:
-    """A warm-up request of the same kind (chat or completion) as `like`, asking what no timed prompt asks."""
-    return replace(like, id="warm-up", text=WARMUP_TEXT, history=(), answers=())
+    """A warm-up request of the same kind (chat, completion or infill) as `like`, asking what no timed prompt
+    asks."""
+    return replace(like, id="warm-up", text=WARMUP_TEXT, history=(), answers=(),
+                   suffix=None if like.suffix is None else "", files=())
 
 
 def run_concurrent(endpoints: list[Endpoint], prompts: list[Prompt], sampling: dict, max_tokens: int,

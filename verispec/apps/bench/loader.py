@@ -1,4 +1,6 @@
-"""Prompt sets: Spec-Bench / MT-Bench question jsonl, HumanEval jsonl(.gz), plain text, the built-in set.
+"""Prompt sets: Spec-Bench / MT-Bench question jsonl, HumanEval jsonl(.gz), fill-in-the-middle jsonl ({"prefix",
+"suffix"} records, optionally "files": [{"filename", "text"}] and the "expected" middle), plain text, the built-in
+set.
 
 A later turn of a multi-turn question (MT-Bench's second turns) is a Prompt with `history`, the earlier user
 turns; the answers to them are not in the files: `answer_history` fills them in from a model (the bench uses
@@ -22,10 +24,17 @@ SPEC_BENCH_ONLY = {"translation", "summarization", "qa", "math_reasoning", "rag"
 class Prompt:
     id: str
     category: str
-    text: str
-    chat: bool  # True: a user message for the chat template; False: raw completion (HumanEval)
+    text: str  # a chat turn, a raw completion's text, or a fill-in-the-middle prompt's prefix
+    chat: bool  # True: a user message for the chat template; False: raw completion (HumanEval) or infill
     history: tuple[str, ...] = ()  # earlier user turns of the conversation, oldest first
     answers: tuple[str, ...] = ()  # the assistant's answers to them, once known (see answer_history)
+    suffix: str | None = None  # fill in the middle between text and suffix (None: not an infill)
+    files: tuple[tuple[str, str], ...] = ()  # an infill's other files: (name, text)
+    expected: str | None = None  # an infill's true middle, where known
+
+    @property
+    def infill(self) -> bool:
+        return self.suffix is not None
 
     def messages(self) -> list[dict]:
         """The conversation up to this turn as chat messages: each earlier turn with its answer, then this one."""
@@ -86,13 +95,20 @@ def load_prompts(path: str | Path | None = None, group_mt_bench: bool | None = N
             if len(turns) >= turn:
                 prompts.append(Prompt(str(rec.get("question_id", i)), str(rec.get("category", "default")),
                                       turns[turn - 1], True, tuple(turns[:turn - 1])))
+        elif "prefix" in rec and "suffix" in rec:  # fill in the middle
+            if turn > 1:
+                raise ValueError(f"{path}:{i + 1}: an infill has one turn; turn {turn} needs multi-turn questions")
+            files = tuple((f.get("filename", "tmp"), f["text"]) for f in rec.get("files", ()))
+            prompts.append(Prompt(str(rec.get("question_id", i)), str(rec.get("category", "fim")), rec["prefix"],
+                                  False, suffix=rec["suffix"], files=files, expected=rec.get("expected")))
         elif "prompt" in rec:  # HumanEval: code completion, no chat template
             if turn > 1:
                 raise ValueError(f"{path}:{i + 1}: a HumanEval prompt has one turn; turn {turn} needs multi-turn "
                                  f"questions (a 'turns' field, as in MT-Bench)")
             prompts.append(Prompt(str(rec.get("task_id", i)), "humaneval", rec["prompt"], False))
         else:
-            raise ValueError(f"{path}:{i + 1}: expected a 'turns' (Spec-Bench/MT-Bench) or 'prompt' (HumanEval) field")
+            raise ValueError(f"{path}:{i + 1}: expected a 'turns' (Spec-Bench/MT-Bench), 'prompt' (HumanEval) or "
+                             f"'prefix' and 'suffix' (fill in the middle) field")
     if not prompts:
         raise ValueError(f"{path}: no question has {turn} turns")
     categories = {p.category for p in prompts}

@@ -28,11 +28,10 @@ REFERENCES = {  # an external reference's kind -> its name in the report, in the
 def configurations(drafters: list[str], ks: list[int | str], variants: list[str], budgets: list[int | str],
                    compare: list[str]) -> list[Config]:
     """Each drafter at each k; a tree per node budget; each draft variant of each drafter with a draft model at
-    each k; then the external references asked for (REFERENCES' kinds). A lone drafter is named "verispec"."""
+    each k; then the external references asked for (REFERENCES' kinds). Each is named by its drafter and k."""
     from verispec.apps.bench.harness import Config
 
-    named = len(drafters) > 1 or bool(variants) or bool(budgets)
-    configs = [Config(f"{d} k={k}" if named else f"verispec k={k}", "spec", k, d) for d in drafters for k in ks]
+    configs = [Config(f"{d} k={k}", "spec", k, d) for d in drafters for k in ks]
     configs += [Config(f"tree k={b}", "spec", b, "tree") for b in budgets]
     configs += [Config(f"{d}[{v}] k={k}", "spec", k, f"{d}[{v}]")
                 for v in variants for d in drafters if d not in FREE_DRAFTERS for k in ks]

@@ -35,7 +35,7 @@ from verispec.apps.cli.bench_endpoints import cmd_bench_endpoints
 from verispec.apps.cli.errors import _one_line
 from verispec.names.drafters import DRAFTER_NAMES
 from verispec.names.errors import ModelError
-from verispec.names.k import DEFAULT_K, parse_k
+from verispec.names.k import DEFAULT_K, DEFAULTS, Defaults, default_k, parse_k
 from verispec.names.options import BENCH_MAX_NEW_TOKENS
 
 
@@ -56,8 +56,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--per-category", type=_positive_int, metavar="N",
                    help="at most N prompts per category (default: all)")
     b.add_argument("--categories", help="only these categories, e.g. code-editing,summarization (default: all)")
-    b.add_argument("--num-draft-tokens", "-k", default=str(DEFAULT_K), help="k values to compare, e.g. 2,4,6,auto")
-    b.add_argument("--drafters", default="model", help="drafters to compare, e.g. model,ngram,hybrid")
+    b.add_argument("--num-draft-tokens", "-k", help="k values to compare, e.g. 2,4,6,auto (default: what `generate` "
+                                                    "runs with the drafters compared: the backend's default k with "
+                                                    "its default drafter, else auto on llama.cpp and 4 elsewhere)")
+    b.add_argument("--drafters", help="drafters to compare, e.g. model,ngram,hybrid (default: what `generate` runs "
+                                      "on the target's backend: suffix on llama.cpp, model on transformers)")
     b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup", "llama", "llama-lookup"],
                    help="also run an external reference: hf = Hugging Face assisted generation, "
                         "hf-lookup = its prompt lookup decoding, llama = llama-cpp-python's own decoding of the "
@@ -121,6 +124,24 @@ def _k_list(text: str, flag: str = "--num-draft-tokens") -> list[int | str]:
     if not ks or any(k != "auto" and k < 1 for k in ks):
         raise ValueError(f"{flag} needs values >= 1 or 'auto', got {text!r}")
     return ks
+
+
+def _generate_defaults(args) -> tuple[str, str, str | None]:
+    """(--drafters, -k, a note saying where they came from), each where not given what `generate` runs on the
+    target's backend: that backend's default drafter and its k (verispec.names.k.DEFAULTS), or for another drafter
+    the default k of the backends."""
+    if args.drafters is not None and args.num_draft_tokens is not None:
+        return args.drafters, args.num_draft_tokens, None
+    from verispec.assembly.resolve import resolve_target_backend
+
+    with _spec_errors():
+        target_spec, _ = _specs(args, None)
+        backend, _ = resolve_target_backend(target_spec)
+    own = DEFAULTS.get(backend, Defaults("model", DEFAULT_K))
+    drafters = args.drafters if args.drafters is not None else own.drafter
+    draft_backend = None if args.draft_backend == "auto" else args.draft_backend
+    k = args.num_draft_tokens or str(own.k if drafters == own.drafter else default_k(backend, draft_backend))
+    return drafters, k, f"--drafters {drafters} -k {k}: what `generate` runs on the {backend} backend"
 
 
 def _compared(args) -> tuple[list[str], list[str], list[int | str]]:
@@ -200,6 +221,7 @@ def cmd_bench(args) -> int:
     from verispec.apps.bench.report import build_report, render_table, write_plots
 
     params = _sampling(args)
+    args.drafters, args.num_draft_tokens, defaults = _generate_defaults(args)
     ks = _k_list(args.num_draft_tokens)
     prompts = _bench_prompts(args)
     if args.repeats < 1:
@@ -212,6 +234,10 @@ def cmd_bench(args) -> int:
         bench = Bench(target_spec, draft_spec, text=not args.rounds_only)
         pipe = bench.pipeline(Config("own", "spec", ks[0], drafter))  # for the header
         other_tokenizer = "hf" in args.compare and bool(bench.hf_assistant_tokenizers())  # before measuring
+    if pipe.fim is None and not args.prompts and any(p.infill for p in prompts):  # the built-in set's infills
+        prompts = [p for p in prompts if not p.infill]
+        _stderr_console().print("bench: the fill-in-the-middle prompts are left out: the target has no FIM tokens",
+                                highlight=False, markup=False, soft_wrap=True)
     runs, status, error = _measure(bench, prompts, configs, params, args)
     meta = metadata(_command_line(), pipe, draft_spec.label if draft_spec is not None else None, params,
                     max_new_tokens=args.max_new_tokens, prompts_file=args.prompts, turn=args.turn,
@@ -219,6 +245,9 @@ def cmd_bench(args) -> int:
                     variants=variants, rounds_only=args.rounds_only, status=status, error=error)
     report = build_report(runs, configs, meta)
     report["caveats"] = caveats(args.compare, params, other_tokenizer)
+    if defaults:
+        report["defaults"] = defaults
+        _stderr_console().print(f"bench: {defaults}", highlight=False, markup=False, soft_wrap=True)
     _print_table(render_table(report), args.json)
     for line in report["failures"]:
         _stderr_console().print(f"failed: {line}", highlight=False, markup=False, soft_wrap=True)
