@@ -91,11 +91,16 @@ def test_lean_batch_rows_match_one_sequence(monkeypatch, layout):
         solo.reset()
         solo.forward(prompts[slot][:7] if slot == 1 else prompts[slot])
         torch.testing.assert_close(logits, solo.forward(feeds[slot]), atol=1e-5, rtol=1e-4)
-    batch.move(3, 0)  # slot 0 now holds slot 3's sequence
-    last = batch.forward_rows([0, 1], [feeds[0][:1], feeds[1][:2]], last_only=True)
+    batch.swap(3, 0)  # slot 0 now holds slot 3's sequence, slot 3 slot 0's
+    assert batch.lengths[0] == 12 + 4 and batch.lengths[3] == 5 + 1
+    last = batch.forward_rows([0, 1, 3], [feeds[0][:1], feeds[1][:2], feeds[2][:1]], last_only=True)
     solo.reset()
     solo.forward(torch.cat([prompts[3], feeds[3]]))
     torch.testing.assert_close(last[0], solo.forward(feeds[0][:1]), atol=1e-5, rtol=1e-4)
+    solo.reset()
+    solo.forward(torch.cat([prompts[0], feeds[0]]))
+    torch.testing.assert_close(last[2], solo.forward(feeds[2][:1]), atol=1e-5, rtol=1e-4)
+    batch.rollback(3, 5 + 1)
     assert last[1].shape == (1, 64) and batch.lengths[:2] == [17, 7 + 3 + 2]
     part = batch.forward_rows([0, 1, 2], [feeds[3], feeds[1][:1], feeds[2]], logits_for=[2, 1, 0])  # last 2, 1, none
     assert [p.shape[0] for p in part] == [2, 1, 0]
@@ -248,6 +253,32 @@ def test_cancel_mid_batch_leaves_the_others_exact(pair):
             assert 0 < len(handle.result.token_ids) < 25 and handle.result.token_ids == alone[: len(handle.result.token_ids)]
         else:
             assert handle.result.token_ids == alone
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_a_resent_request_finds_its_prefix_in_whichever_slot_kept_it(pair, drafter):
+    """Editors cancel a stale request and send it again, longer: the cancelled row leaves a slot in the middle of
+    the batch, its cache kept in a free slot (the last row swaps into its place), and the resent request is admitted
+    into that slot, its prompt's common prefix already cached (target and draft): the answer is plain decoding's."""
+    target, draft = pair
+    batch = make_batch(target, draft, 4, eos=())
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, i] for i in range(3)]
+    rows = [batch.add(Request(prompt_ids=p, max_new_tokens=40, num_draft_tokens=3)) for p in prompts]
+    batch.step()
+    batch.step()
+    batch.cancel(rows[0])  # the first row leaves; the last one takes its slot
+    assert rows[2].slot == 0 and len(batch.active) == 2
+    resent = prompts[0] + rows[0].result.token_ids[:2] + [21, 22]
+    again = batch.add(Request(prompt_ids=resent, max_new_tokens=12, num_draft_tokens=3))
+    held = len(prompts[0]) + len(rows[0].result.token_ids) - 1  # a slot caches all but the last committed token
+    assert again.result.stats.cached_tokens == min(held, len(prompts[0]) + 2) >= len(prompts[0])
+    fresh = batch.add(Request(prompt_ids=[30, 31, 32], max_new_tokens=12, num_draft_tokens=3))
+    assert fresh.result.stats.cached_tokens == 0
+    while batch.active:
+        batch.step()
+    assert again.result.token_ids == plain_greedy(target, resent, 12, eos=())
+    for row, prompt in zip(rows[1:], prompts[1:]):
+        assert row.result.token_ids == plain_greedy(target, prompt, 40, eos=())
 
 
 def test_stops_and_logprobs_per_row(pair):

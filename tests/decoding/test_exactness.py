@@ -51,8 +51,8 @@ class MappedLogits:
     def rollback(self, slot, length):
         self.model.rollback(slot, length)
 
-    def move(self, src, dst):
-        self.model.move(src, dst)
+    def swap(self, a, b):
+        self.model.swap(a, b)
 
     def reset(self, slot=None):
         self.model.reset(slot)

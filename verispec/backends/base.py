@@ -1,7 +1,7 @@
 """The model protocol: what the decoding layer asks of a backend.
 
 - Model: a causal LM with the KV caches of `slots` sequences, a length per slot. One pass feeds ragged rows (each
-  row its own slot, tokens and positions), a slot rolls back in O(1), a slot's cache moves to another. A lone
+  row its own slot, tokens and positions), a slot rolls back in O(1), two slots swap their caches. A lone
   sequence is slot 0 of a one-slot model. Every backend: transformers (one slot), the lean path and llama.cpp
   (any number).
 - TreeModel: a Model that also scores a token tree in one pass (each node sees its ancestors) and keeps the
@@ -21,9 +21,9 @@ class Model(Protocol):
     """The caches of `slots` sequences, `lengths[s]` positions held by slot s. `forward_rows` appends feeds[b]
     (>= 1 token, 1-D long on `device`) to slot slots[b] for every row in one pass and returns each row's logits
     [logits_for[b], V], of its last logits_for[b] tokens (default all; last_only: the last one; 0: none, for a
-    prompt fed in parts); `rollback(slot, n)` keeps a slot's first n positions; `move(src, dst)` gives slot src's
-    cache to slot dst (dst takes its length; src's cache is undefined afterwards); `reset` forgets one slot, or
-    all. `max_length` is the context of each slot."""
+    prompt fed in parts); `rollback(slot, n)` keeps a slot's first n positions; `swap(a, b)`: slots a and b
+    exchange their caches and lengths; `reset` forgets one slot, or all. `max_length` is the context of each
+    slot."""
 
     device: torch.device
     vocab_size: int
@@ -36,7 +36,7 @@ class Model(Protocol):
 
     def rollback(self, slot: int, length: int) -> None: ...
 
-    def move(self, src: int, dst: int) -> None: ...
+    def swap(self, a: int, b: int) -> None: ...
 
     def reset(self, slot: int | None = None) -> None: ...
 

@@ -45,8 +45,8 @@ class HFModel:
             self.cache.crop(length - held)
             self.lengths[0] = length
 
-    def move(self, src: int, dst: int) -> None:
-        if src != dst:
+    def swap(self, a: int, b: int) -> None:
+        if a != b:
             raise ValueError("a transformers model holds one slot")
 
     def reset(self, slot: int | None = None) -> None:

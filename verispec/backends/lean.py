@@ -331,12 +331,16 @@ class LeanBatch:
         self.lengths[slot] = length
 
     @torch.inference_mode()
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot src's cache into slot dst (dst takes src's length), so that active slots stay one range."""
-        held = self.lengths[src]
+    def swap(self, a: int, b: int) -> None:
+        """Slots a and b exchange their caches (what each holds, copied) and lengths."""
+        if a == b:
+            return
+        held_a, held_b = self.lengths[a], self.lengths[b]
         for cache in (*self.keys, *self.values):
-            cache[dst, :, :held] = cache[src, :, :held]
-        self.lengths[dst] = held
+            kept = cache[a, :, :held_a].clone()
+            cache[a, :, :held_b] = cache[b, :, :held_b]
+            cache[b, :, :held_a] = kept
+        self.lengths[a], self.lengths[b] = held_b, held_a
 
     def reset(self, slot: int | None = None) -> None:
         """Forget one slot's cache, or all."""

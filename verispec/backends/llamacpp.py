@@ -253,7 +253,7 @@ class LlamaCppModel:
         self.max_length = int(self._lib.llama_n_ctx(self._ctx)) // slots
         self.n_batch = int(self._lib.llama_n_batch(self._ctx))
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._seq = list(range(slots))  # slot -> its llama.cpp sequence id (move swaps them)
+        self._seq = list(range(slots))  # slot -> its llama.cpp sequence id (swap exchanges them)
         self.lengths = [0] * slots
         self.reset()
 
@@ -333,11 +333,11 @@ class LlamaCppModel:
             self._remove_from(slot, length)
             self.lengths[slot] = length
 
-    def move(self, src: int, dst: int) -> None:
-        """Slot dst takes slot src's sequence (an O(1) swap of sequence ids: the cells stay where they are, in
-        the order of their positions); src gets dst's old sequence, whose cache is undefined until reset."""
-        self._seq[src], self._seq[dst] = self._seq[dst], self._seq[src]
-        self.lengths[dst] = self.lengths[src]
+    def swap(self, a: int, b: int) -> None:
+        """Slots a and b exchange their sequences: an O(1) swap of sequence ids (the cells stay where they are,
+        in the order of their positions)."""
+        self._seq[a], self._seq[b] = self._seq[b], self._seq[a]
+        self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
 
     def reset(self, slot: int | None = None) -> None:
         if slot is None:

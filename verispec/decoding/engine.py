@@ -156,6 +156,7 @@ class SpeculativeGenerator:
 
     def _admit(self, resolved: Resolved, stop: StopFn | None, result: GenerationResult) -> Row:
         slot, prompt = len(self.active), resolved.prompt_ids
+        self._swap(slot, self._best_free(prompt))  # the free slot whose cache shares the most with the prompt
         k = 0 if self.drafter is None else resolved.k
         seq = TokenSequence(prompt, len(prompt) + resolved.max_new_tokens + 1, self.device)
         row = Row(resolved, self.k_policy if k == "auto" else FixedK(k), stop, result, seq,
@@ -190,21 +191,33 @@ class SpeculativeGenerator:
             self.drafter.reset()
 
     def _leave(self, row: Row) -> None:
+        """The row's slot is free; its cache stays, for a later request that shares a prefix with it. The active
+        rows keep the lowest slots: the last one swaps into the hole."""
         row.done = True
         slot, last = row.slot, len(self.active) - 1
         if self.drafter is not None:
             self.drafter.release(slot)
-        if slot == last:  # its cache stays for the next request in the slot
-            self._held[slot] = row.seq.ids[: self.target.lengths[slot]]
-        else:  # keep the active slots one range: the last row moves into the hole
+        self._held[slot] = row.seq.ids[: self.target.lengths[slot]]
+        if slot != last:
             moved = self.active[last]
-            self.target.move(last, slot)
-            self.target.reset(last)
-            if self.drafter is not None:
-                self.drafter.move(last, slot)
-            moved.slot, self._held[last] = slot, []
+            self._swap(slot, last)
+            moved.slot = slot
             self.active[slot] = moved
         self.active.pop()
+
+    def _best_free(self, prompt: list[int]) -> int:
+        """The free slot whose cached sequence shares the longest prefix with `prompt` (the lowest on ties)."""
+        free = range(len(self.active), self.max_batch)
+        return max(free, key=lambda s: (common_prefix_length(self._held[s], prompt), -s))
+
+    def _swap(self, a: int, b: int) -> None:
+        """Slots a and b exchange their caches (the target's and the drafter's) and what they hold."""
+        if a == b:
+            return
+        self.target.swap(a, b)
+        if self.drafter is not None:
+            self.drafter.swap(a, b)
+        self._held[a], self._held[b] = self._held[b], self._held[a]
 
     # -- the round -----------------------------------------------------------------------------------
 

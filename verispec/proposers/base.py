@@ -46,8 +46,8 @@ class Drafter(Protocol):
     def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of the slot's `drafted` tokens were committed to `seq`."""
 
-    def move(self, src: int, dst: int) -> None:
-        """Slot src's state now belongs to slot dst; src is empty afterwards."""
+    def swap(self, a: int, b: int) -> None:
+        """Slots a and b exchange their state (caches included), as the target's slots do."""
 
     def release(self, slot: int) -> None:
         """The slot's sequence is done (its final tokens are in its seq)."""

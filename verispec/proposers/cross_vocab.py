@@ -361,10 +361,9 @@ class CrossVocabDraft:
             s.drafted = [self.bridge.draft_of[t] for t in seq.ids[s.seq_base : s.seq_base + accepted]]
         self._close_round(s, slot)
 
-    def move(self, src: int, dst: int) -> None:
-        self.model.move(src, dst)
-        self.model.reset(src)
-        self._slots[dst], self._slots[src] = self._slots[src], Spelling()
+    def swap(self, a: int, b: int) -> None:
+        self.model.swap(a, b)
+        self._slots[a], self._slots[b] = self._slots[b], self._slots[a]
 
     def release(self, slot: int) -> None:
         pass  # the cache stays: the slot's next sequence keeps what it shares with this one

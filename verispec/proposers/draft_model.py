@@ -158,11 +158,10 @@ class DraftModel:
             self.model.rollback(slot, keep)
             self._held[slot] = (seq, keep)
 
-    def move(self, src: int, dst: int) -> None:
-        self.model.move(src, dst)
-        self.model.reset(src)
-        self._held[dst], self._settings[dst], self._base[dst] = self._held[src], self._settings[src], self._base[src]
-        self._held[src] = (None, 0)
+    def swap(self, a: int, b: int) -> None:
+        self.model.swap(a, b)
+        for state in (self._held, self._settings, self._base):
+            state[a], state[b] = state[b], state[a]
 
     def release(self, slot: int) -> None:
         pass  # the cache stays: the slot's next sequence keeps what it shares with this one

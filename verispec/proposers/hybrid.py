@@ -60,10 +60,10 @@ class HybridDrafter:
         if self._last[slot] is not None:
             self._last[slot].observe(slot, seq, drafted, accepted)
 
-    def move(self, src: int, dst: int) -> None:
-        self.lookup.move(src, dst)
-        self.model.move(src, dst)
-        self._last[dst], self._last[src] = self._last[src], None
+    def swap(self, a: int, b: int) -> None:
+        self.lookup.swap(a, b)
+        self.model.swap(a, b)
+        self._last[a], self._last[b] = self._last[b], self._last[a]
 
     def release(self, slot: int) -> None:
         self.lookup.release(slot)

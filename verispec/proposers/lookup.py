@@ -43,9 +43,8 @@ class LookupDrafter:
     def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
         self.lookups[slot].observe(seq, drafted, accepted)
 
-    def move(self, src: int, dst: int) -> None:
-        self.lookups[src], self.lookups[dst] = self.lookups[dst], self.lookups[src]
-        self.lookups[src].reset()
+    def swap(self, a: int, b: int) -> None:
+        self.lookups[a], self.lookups[b] = self.lookups[b], self.lookups[a]
 
     def release(self, slot: int) -> None:
         self.lookups[slot].end()
