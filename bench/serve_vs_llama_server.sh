@@ -17,8 +17,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python}"
 data="${BENCH_DATA:-../shared/bench-data}"
-home="${VERISPEC_HOME:-$HOME/.cache/verispec}"
-version="$("$python" -c "import re; print(re.search(r'LLAMA_CPP_VERSION = (\S+)', open('Makefile').read())[1])")"
 kernels="${KERNELS:-stock}"
 np="${NP:-4}"
 threads="$(nproc)"
@@ -31,75 +29,35 @@ case "$set_name" in
 esac
 out="out/serve_vs_llama_server/$set_name"
 mkdir -p "$out"
+# shellcheck source=bench/llama_server.sh
+. bench/llama_server.sh
+trap server_stop EXIT
 
 target="$("$python" -c "from verispec.backends.loading import resolve_gguf; from verispec.catalog import DEFAULT_TARGET as t; print(resolve_gguf(t))")"
 draft="$("$python" -c "from verispec.backends.loading import resolve_gguf; from verispec.catalog import DEFAULT_DRAFT as d; print(resolve_gguf(d))")"
-
-# -- llama-server, built once per version and kernels -------------------------------------------------------
-server_dir="$home/llama-server/$version-$kernels"
-server="$server_dir/llama-server"
-if [ ! -x "$server" ]; then
-    src="$(mktemp -d)"
-    trap 'rm -rf "$src"' EXIT
-    echo "building llama-server from llama-cpp-python $version's llama.cpp ($kernels kernels)" >&2
-    "$python" -m pip download -q --no-deps --no-binary :all: -d "$src" "llama-cpp-python==$version"
-    tar xzf "$src/llama_cpp_python-$version.tar.gz" -C "$src"
-    llama="$src/llama_cpp_python-$version/vendor/llama.cpp"
-    if [ "$kernels" = verispec ]; then patch -s -p1 -d "$llama" < native/llama.cpp-kernels.patch; fi
-    cmake -S "$llama" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-        -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF >"$src/cmake.log" 2>&1 || { tail -20 "$src/cmake.log" >&2; exit 1; }
-    cmake --build "$src/build" --target llama-server -j "$threads" >"$src/build.log" 2>&1 \
-        || { tail -20 "$src/build.log" >&2; exit 1; }
-    mkdir -p "$server_dir.partial"
-    cp "$src/build/bin/llama-server" "$server_dir.partial/"
-    rm -rf "$server_dir" && mv "$server_dir.partial" "$server_dir"
-fi
-
+llama_server_build "$kernels"
 [ -z "${BUILD_ONLY:-}" ] || exit 0
 
-# -- one server at a time ----------------------------------------------------------------------------------
-pid=""
-stop() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi; }
-trap 'stop; rm -rf "${src:-}"' EXIT
-free_port() { "$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
-wait_up() {  # url
-    for _ in $(seq 600); do
-        kill -0 "$pid" 2>/dev/null || { echo "a server exited while starting; see $out/" >&2; exit 1; }
-        "$python" -c "import httpx, sys; sys.exit(httpx.get(sys.argv[1], timeout=1).status_code != 200)" "$1" \
-            2>/dev/null && return 0
-        sleep 0.5
-    done
-    echo "server at $1 did not start; see $out/" >&2; exit 1
-}
-start() {  # name, then the server's command line; sets url
-    local name="$1"; shift
-    port="$(free_port)"
-    "$@" --host 127.0.0.1 --port "$port" >"$out/$name.log" 2>&1 &
-    pid=$!
-    url="http://127.0.0.1:$port"
-    wait_up "$url/health"
-}
-llama=("$server" -m "$target" -np "$np" -c $((np * 4096)) -t "$threads" -tb "$threads" -fa on --no-webui)
+llama=("$llama_server" -m "$target" -np "$np" -c $((np * 4096)) -t "$threads" -tb "$threads" -fa on --no-webui)
 run() {  # name, concurrency
     "$python" -m verispec.apps.cli bench --endpoint "$1=$url/v1" --concurrency "$2" "${prompts[@]}" \
         --per-category "${PER_CATEGORY:-2}" --limit "${PROMPTS:-16}" --max-new-tokens "${MAX_NEW:-128}" --warmup 1 \
         --json-out "$out/$1-c$2.json" >/dev/null
-    stop
+    server_stop
 }
 servers=" ${SERVERS:-plain draft verispec} "
 for c in ${CONCURRENCY:-1 4 8}; do
     if [[ "$servers" == *" plain "* ]]; then
-        start "llama-server-np$np" "${llama[@]}"
+        server_start "llama-server-np$np" "${llama[@]}"
         run "llama-server-np$np" "$c"
     fi
     if [[ "$servers" == *" draft "* ]]; then
-        start "llama-server-np$np-draft" "${llama[@]}" -md "$draft" --spec-type draft-simple
+        server_start "llama-server-np$np-draft" "${llama[@]}" -md "$draft" --spec-type draft-simple
         run "llama-server-np$np-draft" "$c"
     fi
     if [[ "$servers" == *" verispec "* ]]; then
         # shellcheck disable=SC2086
-        start verispec "$python" -m verispec.apps.cli serve --log-level warning ${EXTRA_SERVE:-}
+        server_start verispec "$python" -m verispec.apps.cli serve --log-level warning ${EXTRA_SERVE:-}
         run verispec "$c"
     fi
 done

@@ -170,3 +170,27 @@ def test_cancel_and_resend_reuses_the_cached_prefix(server, plain):
     assert body["timings"]["cache_n"] >= shared - 1
     assert body["timings"]["prompt_n"] == len(second) - body["timings"]["cache_n"]
     assert body["content"] == plain_text(plain, second, 16)
+
+
+def test_the_editor_plugins_requests_are_served(server):
+    """llama.vim's and llama.vscode's /infill bodies as they send them (their sampler chain with the infill sampler,
+    n_indent, t_max_predict_ms, response_fields, a cache-warming request with n_predict 0)."""
+    vim = {"id_slot": 0, "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": EXTRA, "prompt": "    ",
+           "n_predict": 12, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"],
+           "stream": False, "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
+           "response_fields": ["content", "timings/prompt_n", "timings/prompt_ms", "timings/predicted_n",
+                               "timings/predicted_ms", "truncated", "tokens_cached"]}
+    r = post(server, "/infill", vim)
+    assert r.status_code == 200, r.text
+    assert set(r.json()) == set(vim["response_fields"]) and r.json()["timings/predicted_n"] <= 12
+    vscode = {"id_slot": 0, "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": EXTRA, "prompt": "",
+              "n_predict": 12, "n_cmpl": 3, "top_k": 40, "top_p": 0.99, "stream": False, "n_indent": 4,
+              "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+              "t_max_predict_ms": 500}
+    r = post(server, "/infill", vscode)
+    assert r.status_code == 200 and [b["index"] for b in r.json()] == [0, 1, 2]
+    warm = post(server, "/infill", {"input_prefix": "", "input_suffix": "", "input_extra": EXTRA, "prompt": "",
+                                    "n_predict": 0, "samplers": [], "t_max_predict_ms": 1})
+    assert warm.status_code == 200 and warm.json()["content"] == "" and warm.json()["tokens_predicted"] == 0
+    no_top_k = post(server, "/infill", {**vscode, "samplers": ["top_p", "infill"]})
+    assert no_top_k.status_code == 400 and "top_k" in no_top_k.json()["error"]["message"]

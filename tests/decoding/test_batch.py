@@ -454,3 +454,23 @@ def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
     mates = [dict(prompt_ids=[i + 1] * (i + 2), params=SamplingParams(temperature=0.0), max_new_tokens=30)
              for i in range(5)]
     assert run_all(batch(6), [*mates, mine])[5].token_ids == alone
+
+
+def test_seed_reproduces_whatever_ran_before_in_the_slots():
+    """Seeded requests sent again (three samples of one prompt, as /infill's n_cmpl sends them), their prompt
+    already in the slots' caches, draw what they drew first: an int4 draft computes a prompt's last tokens after a
+    cached prefix a few bits apart from the whole prompt, so a sampled request prefills the draft anew (a greedy one
+    keeps the draft's cached prefix). A near-uniform model, where any change of q changes the seeded draws."""
+    from verispec.backends.quant import quantize_model
+
+    target, draft, _ = text_pair()
+    net = LeanNet(draft)
+    quantize_model(net, "int4")
+    engine = SpeculativeGenerator(LeanBatch(LeanNet(target), 4), DraftModel(LeanBatch(net, 4), 264),
+                                  eos_token_ids=(), num_draft_tokens=4)
+    reqs = [dict(prompt_ids=list(range(40, 100)), params=SamplingParams(temperature=1.0, seed=7 + i),
+                 max_new_tokens=16) for i in range(3)]
+    first = run_all(engine, reqs)
+    again = run_all(engine, reqs)
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+    assert [r.stats.cached_tokens for r in again] == [59] * 3  # the target keeps its cached prefix

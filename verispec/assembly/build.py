@@ -26,6 +26,8 @@ from verispec.backends.base import Model
 from verispec.backends.lean import LeanBatch, lean_unsupported
 from verispec.backends.loading import DTYPES, eog_token_ids
 from verispec.backends.vocab import same_vocabulary
+from verispec.catalog.vocab import token_bytes
+from verispec.core.infill import TokenPieces
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.names.drafters import BACKEND_NAMES
 from verispec.names.errors import SpecError
@@ -114,7 +116,8 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
     policy = None if draft is None else DRAFTERS[draft.drafter].auto_policy(k_max)
     generator = SpeculativeGenerator(target_model, drafter, eos, k, auto_policy=policy,
-                                     max_length=None if draft_model is None or cross else draft_model.max_length)
+                                     max_length=None if draft_model is None or cross else draft_model.max_length,
+                                     vocabulary=token_pieces(tokenizer, eos, target_model.vocab_size))
     kernels = None
     if "llamacpp" in (target.backend, draft_backend):
         from verispec.backends.llamacpp import kernels as llama_kernels
@@ -181,7 +184,25 @@ def batch_generator(pipe: Pipeline, max_batch: int) -> SpeculativeGenerator:
     vocab = pipe.vocab_bridge if pipe.vocab_bridge is not None else target.vocab_size
     drafter = None if pipe.drafter == "none" else DRAFTERS[pipe.drafter].make(draft, vocab, max_batch)
     return SpeculativeGenerator(target, drafter, lone.eos_token_ids, pipe.k, auto_policy=lone.k_policy,
-                                max_length=pipe.context_length)
+                                max_length=pipe.context_length, vocabulary=lone.vocabulary)
+
+
+def token_pieces(tokenizer, eog: list[int], vocab_size: int) -> TokenPieces | None:
+    """What the infill sampler reads of the target's vocabulary (verispec.core.infill), its texts read on first
+    use: each id's bytes, b"" for special tokens (and ids past the tokenizer's); None without a fast tokenizer.
+    It ends with the tokenizer's EOS where that ends generation, else the lowest id that does."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not eog:
+        return None
+
+    def load() -> list[bytes]:
+        table = token_bytes(backend)
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        pieces = [b"" if i in special else piece for i, piece in enumerate(table[:vocab_size])]
+        return pieces + [b""] * (vocab_size - len(pieces))
+
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return TokenPieces(load, frozenset(eog), eos if eos in eog else min(eog))
 
 
 def build_pipeline(

@@ -77,7 +77,16 @@ def logprob_rows(
     """[k+1, V] log-probabilities of the target's processed distribution (greedy: of its penalised logits,
     at temperature 1, since the one-hot would say nothing)."""
     presence, counts = penalty_rows(*penalty_state(seq, params, logits.shape[-1]), draft_tokens)
-    return process_logits(logits, params, presence, counts, seq.new_tokens).log_softmax(dim=-1)
+    return log_rows(logits, params, presence, counts, seq.new_tokens)
+
+
+def log_rows(logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None,
+             counts: torch.Tensor | None, position: int) -> torch.Tensor:
+    """Log-probabilities [n, V] of the processed distribution (greedy: of the penalised logits at temperature 1;
+    with the infill sampler, of its transformed distribution)."""
+    if params.infilling:
+        return probs_from_logits(logits, params, presence, counts, position).log()
+    return process_logits(logits, params, presence, counts, position).log_softmax(dim=-1)
 
 
 def verify(
@@ -166,5 +175,5 @@ def _process(logits: torch.Tensor, params: SamplingParams, presence: torch.Tenso
         logits[:, list(params.stop_ids)] = float("-inf")
     position = params.unmasked_from(position)
     if log:
-        return process_logits(logits, params, presence, counts, position).log_softmax(dim=-1)
+        return log_rows(logits, params, presence, counts, position)
     return processed_rows(logits, params, presence, counts, position)

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from verispec.core.infill import infill_rows
 from verispec.core.timing import device_tensor
 from verispec.names.options import SamplingParams
 
@@ -187,11 +188,16 @@ def probs_from_logits(
     logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None = None,
     counts: torch.Tensor | None = None, position: int = 0,
 ) -> torch.Tensor:
-    """The processed distribution, fp32 [n, V]. Greedy gives the one-hot of the argmax."""
+    """The processed distribution, fp32 [n, V]. Greedy gives the one-hot of the argmax; the infill sampler, where
+    asked for, transforms the filtered distribution (verispec.core.infill)."""
     processed = process_logits(logits, params, presence, counts, position)
     if params.greedy:
         probs = torch.zeros_like(processed)
         return probs.scatter_(-1, greedy_tokens(processed).unsqueeze(-1), 1.0)
+    if params.infilling:
+        if params.vocabulary is None:
+            raise ValueError("the infill sampler needs the model's token pieces (params.with_vocabulary)")
+        return infill_rows(processed.softmax(dim=-1), params.vocabulary)
     return processed.softmax(dim=-1)
 
 

@@ -43,6 +43,7 @@ import torch
 
 from verispec.backends.base import Model, TreeModel, common_prefix_length
 from verispec.core.draft import Draft
+from verispec.core.infill import TokenPieces
 from verispec.core.rows import TokenLogprob, commit, outcome, token_logprobs, tree_rows, verify
 from verispec.core.sampling import SamplingParams, generator_for
 from verispec.core.sequence import TokenSequence
@@ -108,6 +109,7 @@ class SpeculativeGenerator:
         auto_policy: KPolicy | None = None,
         max_length: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        vocabulary: TokenPieces | None = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -121,6 +123,7 @@ class SpeculativeGenerator:
         self.max_batch = target.slots
         self.max_length = min(target.max_length, max_length or target.max_length)  # the pair's context
         self.prefill_chunk = prefill_chunk
+        self.vocabulary = vocabulary  # the token texts the infill sampler reads
         self.device = target.device
         self.active: list[Row] = []  # active[i] holds slot i
         self._held: list[list[int]] = [[] for _ in range(self.max_batch)]  # a free slot's cached ids
@@ -139,7 +142,7 @@ class SpeculativeGenerator:
     def resolve(self, request: Request) -> Resolved:
         """Check a request against the pair (ValueError with a one-line reason) and resolve it."""
         resolved = resolve(request, max_length=self.max_length, vocab_size=self.target.vocab_size,
-                           eos_ids=self.eos_token_ids, default_k=self.num_draft_tokens)
+                           eos_ids=self.eos_token_ids, default_k=self.num_draft_tokens, vocabulary=self.vocabulary)
         if resolved.k == "auto" and self.drafter is not None:
             self._check_auto()
         return resolved

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from verispec.core.rows import TokenLogprob
 from verispec.core.sampling import SamplingParams
@@ -78,9 +79,10 @@ class Resolved:
 
 
 def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: frozenset[int],
-            default_k: int | str) -> Resolved:
+            default_k: int | str, vocabulary: Any = None) -> Resolved:
     """Check `request` against a model of `max_length` tokens of context and `vocab_size` ids (ValueError with
-    a one-line reason) and resolve it: k None is `default_k`, EOS ends generation unless ignored."""
+    a one-line reason) and resolve it: k None is `default_k`, EOS ends generation unless ignored; the infill
+    sampler reads `vocabulary` (verispec.core.infill.TokenPieces; None: the model has none to give)."""
     prompt = list(request.prompt_ids)
     if not prompt:
         raise ValueError("the prompt is empty: at least one token is needed")
@@ -99,6 +101,10 @@ def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: froz
     k = default_k if request.num_draft_tokens is None else check_k(request.num_draft_tokens)
     stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else eos_ids)
     params = request.params.masking(stop_ids)  # min_tokens masks every id that would end generation here
+    if params.infilling:
+        if vocabulary is None:
+            raise ValueError("the infill sampler needs the model's token texts, which this engine was not given")
+        params = params.with_vocabulary(vocabulary)
     max_new_tokens = min(request.max_new_tokens, max_length - len(prompt))
     return Resolved(prompt, params, max_new_tokens, k, stop_ids, request.logprobs)
 

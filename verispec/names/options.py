@@ -22,6 +22,7 @@ BENCH_MAX_NEW_TOKENS = 128  # `verispec bench`: every prompt of a set, each conf
 SERVER_MAX_TOKENS = 512  # `verispec serve`: OpenAI's API has no default for max_tokens; the server's own
 
 INT64 = 1 << 63
+INFILL_TOP_K_MAX = 256  # the infill sampler reads a row's candidates on the host: top_k bounds them
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,22 @@ class SamplingParams:
                                       llama_server="frequency_penalty", sampler="penalties")
     min_tokens: int = option(0, "generate at least this many tokens: EOS and the stop token ids cannot end "
                                 "generation before", bounds=Bounds(ge=0))
+    infill_sampler: bool = option(False, "llama.cpp's infill sampler after the filters, for code completion: end where "
+                                 "the end of text is likely enough, merge tokens that prefix one another, keep only "
+                                 f"likely ones (needs top_k 1-{INFILL_TOP_K_MAX}; no effect when greedy)",
+                                  bounds=None, sampler="infill")
     stop_ids: tuple[int, ...] = ()  # the ids min_tokens masks (the engine adds its EOS and stop ids): not an option
+    # what the infill sampler reads of the vocabulary (verispec.core.infill.TokenPieces), set when a request
+    # resolves against a model: not an option
+    vocabulary: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name, f in _fields().items():
             value, bounds = getattr(self, name), f.metadata["option"].bounds
             if bounds is not None and not bounds.holds(value):
                 raise ValueError(f"{name} must be {bounds.text(isinstance(f.default, int))}, got {value}")
+        if self.infill_sampler and not 1 <= self.top_k <= INFILL_TOP_K_MAX:
+            raise ValueError(f"the infill sampler needs top_k between 1 and {INFILL_TOP_K_MAX}, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
@@ -155,6 +165,15 @@ class SamplingParams:
         """These params for the i-th of several samples of one request (from 0): a given seed is seed + i, so that
         each draws on its own and the whole request reproduces."""
         return self if self.seed is None or not i else replace(self, seed=self.seed + i)
+
+    @property
+    def infilling(self) -> bool:
+        """Whether the infill sampler transforms the distribution (asked for, and not greedy)."""
+        return self.infill_sampler and not self.greedy
+
+    def with_vocabulary(self, vocabulary: Any) -> SamplingParams:
+        """These params reading `vocabulary` (the model's token pieces) where the infill sampler needs them."""
+        return replace(self, vocabulary=vocabulary) if self.infilling else self
 
     def without_penalties(self) -> SamplingParams:
         """These params without the penalties and min_tokens (temperature, the filters and the seed kept)."""
@@ -267,7 +286,8 @@ def llama_server_fields() -> dict[str, tuple[str, Any]]:
 
 def from_llama_server(values: Mapping[str, Any], samplers: Sequence[str] = LLAMA_SERVER_SAMPLERS) -> SamplingParams:
     """SamplingParams for a request to llama-server's own API: `values` by llama-server's field names (its
-    defaults for those left out, see llama_server_fields). llama.cpp runs only the samplers listed in `samplers`, so
+    defaults for those left out, see llama_server_fields). llama.cpp runs only the samplers listed in `samplers` (the
+    infill sampler where it is listed), so
     an option whose sampler is not listed is off (without the temperature sampler, llama.cpp samples the
     distribution as it is: a temperature of 1); a temperature <= 0 is greedy; a top_k or min_p <= 0 and a top_p
     >= 1 are off, as in llama.cpp; seed -1 is a fresh one. ValueError: a value the library refuses, a sampler
@@ -277,7 +297,8 @@ def from_llama_server(values: Mapping[str, Any], samplers: Sequence[str] = LLAMA
     unknown = [s for s in samplers if s not in known]
     if unknown:
         raise ValueError(f"the sampler '{unknown[0]}' is not supported (supported: {', '.join(sorted(known))})")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {name: opt.sampler in samplers for name, opt in opts.items()
+                           if opt.sampler and not opt.llama_server}  # a sampler that is an option of its own
     for field_name, (name, default) in llama_server_fields().items():
         value = values.get(field_name, default)
         sampler = opts[name].sampler

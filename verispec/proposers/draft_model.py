@@ -83,12 +83,14 @@ class DraftModel:
         self._base = [0] * slots  # len(seq) when the slot's last draft started
 
     def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        """Keep the cached prefix this sequence shares with the slot's last; the rest is fed lazily (catch_up or
-        the first draft), so a generation that never drafts (a k policy found it does not pay) never prefills the
-        draft."""
+        """Keep the cached prefix this sequence shares with the slot's last, for a greedy sequence (a sampled one
+        prefills the draft anew: a draft's kernels can compute a prompt's part a few bits apart from the whole
+        prompt, and a seeded sequence's draws must not depend on what ran before it); the rest is fed lazily
+        (catch_up or the first draft), so a generation that never drafts (a k policy found it does not pay) never
+        prefills the draft."""
         self._settings[slot] = (params, generator)
         held, n = self._held[slot]
-        cached = held.ids[:n] if held is not None else []
+        cached = held.ids[:n] if held is not None and params.greedy else []
         keep = min(common_prefix_length(cached, seq.ids), len(seq) - 1, self.model.lengths[slot])
         self.model.rollback(slot, keep)
         self._held[slot] = (seq, keep)

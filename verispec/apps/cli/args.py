@@ -165,6 +165,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NEW
                    help="most tokens to generate")
     types, defaults = option_types(), option_defaults()
     for name, opt in sampling_options().items():
+        if types[name] is bool:
+            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=opt.help)
+            continue
         p.add_argument("--" + name.replace("_", "-"), type=_flag_type(types[name]), default=defaults[name],
                        help=opt.help)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable) (default: none)")
