@@ -139,14 +139,13 @@ def test_suffix_with_echo_or_several_choices_is_refused(server, extra):
 
 def test_an_oversized_context_is_fitted(server):
     """As llama-server fits a prompt: the prefix keeps its last 1536 tokens, the suffix its first 510, the other
-    files their last tokens within what the server's prompt limit (3000 here) leaves after a batch of 2048 and
-    twice n_predict."""
+    files their last tokens within what the server's prompt limit (3000 here) leaves: the prompt is never one the
+    server would refuse."""
     header = 2 + len("myproject\n") + len("filename\n")  # the byte tokenizer: a token per byte
     big = [{"filename": f"f{i}.py", "text": "x = 1\n" * 100} for i in range(16)]  # 9.6k tokens of context
     body = infill(server, input_prefix="p", input_suffix="s", input_extra=big, n_predict=4)
-    assert body["tokens_evaluated"] == 3000 - 2048 - 8 + 5 and body["prompt"].endswith("<|file_sep|>filename\n"
-                                                                                    "<|fim_prefix|>p<|fim_suffix|>s"
-                                                                                    "<|fim_middle|>")
+    assert body["tokens_evaluated"] == 3000 and body["prompt"].endswith(
+        "<|file_sep|>filename\n<|fim_prefix|>p<|fim_suffix|>s<|fim_middle|>")
     long = infill(server, input_prefix="y = 2\n" * 1000, input_suffix="z = 3\n" * 1000, n_predict=4)
     assert long["tokens_evaluated"] == header + 3 + 1536 + 510
 

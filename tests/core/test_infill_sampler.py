@@ -44,6 +44,18 @@ def test_no_likely_text_token_left_gives_the_end_token():
     assert dict(pairs({2: 0.19, 5: 0.19, 7: 0.19, 6: 0.18, 4: 0.001})).keys() == {2, 4}
 
 
+def test_without_an_end_token_among_the_candidates_the_likeliest_text_token_stays():
+    """min_tokens masks the end tokens: the rule that would end the completion takes the likeliest text instead."""
+    assert pairs({2: 0.19, 5: 0.18, 7: 0.17, 3: 0.16}) == [(2, 1.0)]
+
+
+def test_ties_past_the_candidate_limit_do_not_fail_a_round():
+    """top_k keeps every token tied with the k-th: a row can hold more than MAX_CANDIDATES; the best are taken."""
+    probs = torch.full((2, 600), 1 / 600)
+    out = infill_rows(probs, TokenPieces(lambda: [b"%03d" % i for i in range(600)], frozenset(), 0))
+    assert torch.allclose(out.sum(-1), torch.ones(2)) and (out > 0).sum(-1).tolist() == [1, 1]
+
+
 def test_the_second_threshold_is_one_over_the_text_tokens_plus_one():
     got = dict(pairs({2: 0.5, 5: 0.28, 7: 0.22}))  # all >= 0.2; then 1 / (3 + 1) = 0.25 drops 0.22
     assert got == {2: pytest.approx(0.5 / 0.78), 5: pytest.approx(0.28 / 0.78)}
@@ -74,7 +86,7 @@ def small_vocab_pair():
 PARAMS = SamplingParams(temperature=1.0, top_k=6, infill_sampler=True).with_vocabulary(VOCAB)
 
 
-def _histograms(pair, monkeypatch=None):
+def _histograms(pair):
     import tiny
 
     make = tiny.make_engine
@@ -105,7 +117,8 @@ def test_loop_marginals_under_the_infill_sampler_match_the_target(small_vocab_pa
 
 
 def test_negative_control_verifying_against_the_untransformed_target_fails(small_vocab_pair, monkeypatch):
-    """The control: the target's rows without the transform (the draft's q still transformed) must be caught."""
+    """The control: the target's rows without the transform (the draft's q still transformed) must be caught
+    (it is by a wide margin: with N = 2000 its smallest p-value is far below ALPHA)."""
     target_rows = rows_module.target_rows
     monkeypatch.setattr(rows_module, "target_rows", lambda logits, drafts, params, seq: target_rows(
         logits, drafts, replace(params, infill_sampler=False), seq))

@@ -459,8 +459,8 @@ def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
 def test_seed_reproduces_whatever_ran_before_in_the_slots():
     """Seeded requests sent again (three samples of one prompt, as /infill's n_cmpl sends them), their prompt
     already in the slots' caches, draw what they drew first: an int4 draft computes a prompt's last tokens after a
-    cached prefix a few bits apart from the whole prompt, so a sampled request prefills the draft anew (a greedy one
-    keeps the draft's cached prefix). A near-uniform model, where any change of q changes the seeded draws."""
+    cached prefix a few bits apart from the whole prompt, so a seeded sampled request prefills the draft anew (the
+    others keep the draft's cached prefix). A near-uniform model, where any change of q changes the seeded draws."""
     from verispec.backends.quant import quantize_model
 
     target, draft, _ = text_pair()

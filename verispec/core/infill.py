@@ -6,11 +6,12 @@ On each row's candidates (the tokens the filters before it left, best first):
    they remain: the completion ends where the model is unsure;
 2. otherwise a token whose text is a prefix of another candidate's merges with it, into whichever of the two is
    likelier (its mass added, the other dropped), in llama.cpp's order (each candidate in turn against every other);
-3. text tokens under 0.2 are dropped (none left: the end-of-text token alone), the rest renormalised, then text
-   tokens under 1 / (n_text + 1) dropped and the rest renormalised again.
+3. text tokens under 0.2 are dropped (none left: the end-of-text token alone, or where no end token was a candidate,
+   as when min_tokens masks them, the likeliest text token), the rest renormalised, then text tokens under
+   1 / (n_text + 1) dropped and the rest renormalised again.
 Any row of p or q comes out a distribution, so speculative sampling over the transformed rows stays exact. The
 candidates are read on the host (a row has at most `MAX_CANDIDATES` of them: llama.cpp's own loop is quadratic
-in them too).
+in them too): a round under this sampler syncs the host once more per processed block of rows.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class TokenPieces:
     """What the infill sampler reads of a vocabulary: each id's text as bytes (`pieces`, b"" for a special token,
     as llama.cpp renders a control token; read from `load` on first use, as a vocabulary of 150k tokens takes a
     third of a second), the ids that end generation, and the one it ends with when no text token is left
-    (llama.cpp: its end-of-turn token, else its EOS)."""
+    (llama.cpp: its end-of-turn token, else its EOS; verispec.assembly gives the tokenizer's EOS, which for the
+    instruct models is their end of turn)."""
 
     def __init__(self, load: Callable[[], Sequence[bytes]], eog: frozenset[int], end: int) -> None:
         self._load, self.eog, self.end = load, frozenset(eog), end
@@ -62,27 +64,29 @@ def infill_row(probs: list[float], ids: list[int], vocab: TokenPieces) -> list[t
                 p[src], gone[src] = 0.0, True
     kept = [i for i in range(n) if not gone[i] and (eog[i] or p[i] >= TEXT_FLOOR)]
     texts = sum(not eog[i] for i in kept)
-    if texts == 0:
-        return [(vocab.end, 1.0)]
+    if texts == 0:  # the end token; where no end was a candidate (min_tokens masks them), the likeliest text token
+        return [(vocab.end, 1.0)] if any(eog) else [(ids[max(range(n), key=lambda i: (p[i], -i))], 1.0)]
     total = sum(p[i] for i in kept)
-    p = [p[i] / total if i in kept else 0.0 for i in range(n)]
     floor = 1.0 / (texts + 1)
-    kept = [i for i in kept if eog[i] or p[i] >= floor]
+    kept = [i for i in kept if eog[i] or p[i] / total >= floor]
     total = sum(p[i] for i in kept)
     return [(ids[i], p[i] / total) for i in kept]
 
 
 def infill_rows(probs: torch.Tensor, vocab: TokenPieces) -> torch.Tensor:
-    """[n, V] processed probabilities -> the infill sampler's [n, V] (see the module's docstring)."""
+    """[n, V] processed probabilities -> the infill sampler's [n, V] (see the module's docstring). Each row's
+    candidates are its best MAX_CANDIDATES tokens with p > 0 (top_k asks no more; ties with the k-th can add a few,
+    the lowest ids kept), best first, ties by id; one transfer to the host and one back."""
+    best = torch.topk(probs.float(), min(MAX_CANDIDATES, probs.shape[-1]), dim=-1)
+    values, indices = best.values.tolist(), best.indices.tolist()  # [n, m] on the host
+    rows, cols, kept = [], [], []
+    for r, (row_p, row_ids) in enumerate(zip(values, indices)):
+        cands = sorted(((p, t) for p, t in zip(row_p, row_ids) if p > 0), key=lambda c: (-c[0], c[1]))
+        for t, p in infill_row([p for p, _ in cands], [t for _, t in cands], vocab):
+            rows.append(r)
+            cols.append(t)
+            kept.append(p)
     out = torch.zeros_like(probs)
-    host = probs.float().cpu()
-    for r in range(host.shape[0]):
-        ids = host[r].nonzero().squeeze(-1)
-        if ids.numel() > MAX_CANDIDATES:
-            raise ValueError(f"the infill sampler takes at most {MAX_CANDIDATES} candidates; set top_k")
-        values = host[r, ids]
-        order = sorted(range(ids.numel()), key=lambda i: (-float(values[i]), int(ids[i])))
-        pairs = infill_row([float(values[i]) for i in order], [int(ids[i]) for i in order], vocab)
-        index = torch.tensor([t for t, _ in pairs], device=probs.device)
-        out[r, index] = torch.tensor([p for _, p in pairs], dtype=out.dtype, device=probs.device)
+    out[torch.tensor(rows, device=probs.device), torch.tensor(cols, device=probs.device)] = torch.tensor(
+        kept, dtype=out.dtype, device=probs.device)
     return out

@@ -24,8 +24,9 @@ a tree-masked pass of its own row; trees do not batch.
 A row's tokens depend only on its own prompt, settings and generator, never on its batch mates: greedy rows equal
 plain decoding, sampled rows follow the target's distribution (as far as the target computes a row the same in
 any pass: see verispec.backends). Requests join between rounds (`add`) and leave when they finish or are
-cancelled; the active rows keep the lowest slots (a leaving row's slot takes the last row's cache), so a padded
-cache is read as one view. A slot's cache outlives its request: the next request in it keeps their common prefix.
+cancelled; the active rows keep the lowest slots (a leaving row's slot and the last row's swap their caches), so a
+padded cache is read as one view. A slot's cache outlives its request: a request is admitted into the free slot
+whose cache shares the longest prefix with its prompt, and keeps that prefix.
 
 k: a fixed k is planned by `FixedK`; 'auto' by the engine's k policy (it learns across generations; the engine
 knows no concrete policy: verispec.assembly picks one per drafter), row by row when the round has one row, and all

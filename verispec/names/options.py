@@ -167,6 +167,11 @@ class SamplingParams:
         return self if self.seed is None or not i else replace(self, seed=self.seed + i)
 
     @property
+    def seeded_draws(self) -> bool:
+        """Whether the draws are seeded (sampled with a seed): the same request must draw the same tokens."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def infilling(self) -> bool:
         """Whether the infill sampler transforms the distribution (asked for, and not greedy)."""
         return self.infill_sampler and not self.greedy
@@ -287,9 +292,8 @@ def llama_server_fields() -> dict[str, tuple[str, Any]]:
 def from_llama_server(values: Mapping[str, Any], samplers: Sequence[str] = LLAMA_SERVER_SAMPLERS) -> SamplingParams:
     """SamplingParams for a request to llama-server's own API: `values` by llama-server's field names (its
     defaults for those left out, see llama_server_fields). llama.cpp runs only the samplers listed in `samplers` (the
-    infill sampler where it is listed), so
-    an option whose sampler is not listed is off (without the temperature sampler, llama.cpp samples the
-    distribution as it is: a temperature of 1); a temperature <= 0 is greedy; a top_k or min_p <= 0 and a top_p
+    infill sampler where it is listed), so an option whose sampler is not listed is off (without the temperature
+    sampler, llama.cpp samples the distribution as it is: a temperature of 1); a temperature <= 0 is greedy; a top_k or min_p <= 0 and a top_p
     >= 1 are off, as in llama.cpp; seed -1 is a fresh one. ValueError: a value the library refuses, a sampler
     verispec has not (those of LLAMA_SERVER_OFF_SAMPLERS are off at their defaults and may be listed)."""
     opts = sampling_options()

@@ -18,9 +18,10 @@ the suffix its start, the files their end), as llama-server fits its prompt into
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # the names each marker goes by, per family (llama.cpp's src/llama-vocab.cpp looks for the same)
 PREFIX_NAMES = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
@@ -105,9 +106,7 @@ class FimLayout:
         given; llama-server's /infill always writes them)."""
         files = list(files)
         header = bool(files) if header is None else header
-
-        def ids(text: str) -> list[int]:
-            return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids) if text else []
+        ids = functools.partial(text_ids, tokenizer)
 
         context: list[int] = []
         if header and self.repo is not None:
@@ -122,6 +121,29 @@ class FimLayout:
         after = after[: _limit(budget.suffix, len(after))]
         context = context[len(context) - min(len(context), _limit(budget.files, len(context))):]
         return [*context, *self.bos, self.prefix, *before, *typed, self.suffix, *after, self.middle]
+
+    def fitted(self, tokenizer, prefix: str, suffix: str, files: Iterable[tuple[str, str]], prompt: str,
+               limit: int) -> list[int]:
+        """The prompt as llama-server's /infill builds it (the header always written): the prefix's last 1536
+        tokens, the suffix's first 510 less the typed prompt's, and of the other files' (and the header's) last
+        tokens as many as keep the whole within `limit` tokens (llama-server: what its slot's context leaves)."""
+        budget = Budget.llama_server(len(text_ids(tokenizer, prompt)), None)
+        core = len(self.encode(tokenizer, prefix, suffix, (), prompt, budget, header=False))
+        return self.encode(tokenizer, prefix, suffix, files, prompt, replace(budget, files=max(0, limit - core)),
+                           header=True)
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """The ids of a part of a FIM prompt: its text alone, special tokens' text read as text."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids) if text else []
+
+
+def layout_of(tokenizer) -> FimLayout:
+    """The tokenizer's FimLayout, or a ValueError saying the model has none (NO_FIM)."""
+    layout = FimLayout.of(tokenizer)
+    if layout is None:
+        raise ValueError(NO_FIM)
+    return layout
 
 
 def _limit(bound: int | None, size: int) -> int:
@@ -153,4 +175,4 @@ NO_FIM = ("this model's tokenizer has no fill-in-the-middle tokens (a prefix, su
           "Qwen2.5-Coder's <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>): use a code model trained for infilling")
 
 
-__all__ = ["Budget", "FimLayout", "NO_FIM", "file_pairs"]
+__all__ = ["Budget", "FimLayout", "NO_FIM", "file_pairs", "layout_of", "text_ids"]

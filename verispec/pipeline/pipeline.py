@@ -21,7 +21,7 @@ from verispec.decoding.request import Committed, Request
 from verispec.names.errors import SpecError
 from verispec.names.options import MAX_NEW_TOKENS, sampling_from
 from verispec.pipeline.completion import Completion
-from verispec.pipeline.fim import NO_FIM, Budget, FimLayout, file_pairs
+from verispec.pipeline.fim import Budget, FimLayout, file_pairs, layout_of
 from verispec.pipeline.provenance import Piece, ProvenanceText
 from verispec.pipeline.slots import Slots, drain
 from verispec.pipeline.text import encode_messages
@@ -258,18 +258,17 @@ class Pipeline:
         """The target's fill-in-the-middle layout (verispec.pipeline.fim; None: its tokenizer has no FIM markers)."""
         return FimLayout.of(self.tokenizer)
 
-    def encode_infill(self, prefix: str, suffix: str, files: Any = (), prompt: str = "",
-                      budget: Budget = Budget()) -> list[int]:
+    def encode_infill(self, prefix: str, suffix: str, files: Any = (), prompt: str = "", budget: Budget = Budget(),
+                      header: bool | None = None) -> list[int]:
         """Token ids of a fill-in-the-middle prompt: the middle between `prefix` (then `prompt`, text typed after
         it) and `suffix`, with the repository's other `files` before it (a mapping name -> text, or (name, text)
-        pairs), laid out as the model was trained to read them (verispec.pipeline.fim). ValueError: the model
-        has no FIM markers; TypeError: a part that is not text."""
+        pairs), laid out as the model was trained to read them (verispec.pipeline.fim; `header`: the repository's
+        and the file's names, as FimLayout.encode). ValueError: the model has no FIM markers; TypeError: a part
+        that is not text."""
         if not all(isinstance(part, str) for part in (prefix, suffix, prompt)):
             raise TypeError("a fill-in-the-middle prompt's prefix, suffix and prompt are text")
-        layout = self.fim
-        if layout is None:
-            raise ValueError(NO_FIM)
-        return layout.encode(self.tokenizer, prefix, suffix, file_pairs(files), prompt, budget)
+        return layout_of(self.tokenizer).encode(self.tokenizer, prefix, suffix, file_pairs(files), prompt, budget,
+                                                header)
 
     def request(self, prompt: Prompt, *, suffix: str | None = None, files: Any = (), max_new_tokens: int | None = None,
                 stop: Sequence[str] | str = (), k: int | str | None = None, generation_config=None,

@@ -72,7 +72,8 @@ class DraftModel:
     were accepted: it never processed its own last draft). A slot that is further behind (a new prompt, or rounds
     decoded without drafting) catches up in a pass of its own, alone and whole: a quantised draft's kernels compute
     a part of a few rows differently from a whole prompt, so parts sized by the batch mates would make a seeded
-    row's draws depend on them. A new sequence keeps the prefix it shares with the slot's last one."""
+    row's draws depend on them. A new sequence keeps the prefix it shares with the slot's last one, unless its draws
+    must reproduce (seeded and sampled: see start)."""
 
     def __init__(self, model: Model, vocab_size: int) -> None:
         self.model = model
@@ -83,14 +84,14 @@ class DraftModel:
         self._base = [0] * slots  # len(seq) when the slot's last draft started
 
     def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        """Keep the cached prefix this sequence shares with the slot's last, for a greedy sequence (a sampled one
-        prefills the draft anew: a draft's kernels can compute a prompt's part a few bits apart from the whole
-        prompt, and a seeded sequence's draws must not depend on what ran before it); the rest is fed lazily
-        (catch_up or the first draft), so a generation that never drafts (a k policy found it does not pay) never
-        prefills the draft."""
+        """Keep the cached prefix this sequence shares with the slot's last, unless the sequence is seeded and
+        sampled (it prefills the draft anew: a draft's kernels can compute a prompt's tail after a cached prefix a
+        few bits apart from the whole prompt, and a seeded sequence's draws must not depend on what ran before it);
+        the rest is fed lazily (catch_up or the first draft), so a generation that never drafts (a k policy found
+        it does not pay) never prefills the draft."""
         self._settings[slot] = (params, generator)
         held, n = self._held[slot]
-        cached = held.ids[:n] if held is not None and params.greedy else []
+        cached = held.ids[:n] if held is not None and not params.seeded_draws else []
         keep = min(common_prefix_length(cached, seq.ids), len(seq) - 1, self.model.lengths[slot])
         self.model.rollback(slot, keep)
         self._held[slot] = (seq, keep)

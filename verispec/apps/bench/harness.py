@@ -337,7 +337,7 @@ def run_benchmark(
     prompts = answer_history(prompts, lambda p: _plain_answer(bench.baseline, p.messages(), max_new_tokens))
     tokenizer = bench.baseline.tokenizer
     encoded = [encode_messages(tokenizer, p.messages()) if p.history
-               else bench.baseline.encode_infill(p.text, p.suffix, p.files) if p.infill
+               else bench.baseline.encode_infill(p.text, p.suffix, p.files, header=True) if p.infill
                else encode_prompt(tokenizer, p.text, p.chat) for p in prompts]
     warm = [encode_messages(tokenizer, p.messages()[:-2]) if warm_history and p.history else None for p in prompts]
     if encoded and warmup:

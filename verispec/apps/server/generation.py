@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from verispec.apps.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
-from verispec.pipeline.fim import NO_FIM, FimLayout
+from verispec.pipeline.fim import layout_of
 from verispec.pipeline.text import encode_messages
 
 if TYPE_CHECKING:
@@ -30,13 +30,13 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
 
 
 def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
-    """The prompt's ids; with a suffix, the fill-in-the-middle prompt of the prompt and the suffix
+    """The prompt's ids; with a (non-empty) suffix, the fill-in-the-middle prompt of the prompt and the suffix
     (verispec.pipeline.fim), a 400 for a model without FIM tokens."""
-    if req.suffix is not None:
-        layout = FimLayout.of(tokenizer)
-        if layout is None:
-            raise APIError(400, NO_FIM, "suffix", "fim_not_supported")
-        return layout.encode(tokenizer, req.prompt, req.suffix)
+    if req.suffix:  # an empty suffix, OpenAI's default, asks for a plain completion
+        try:
+            return layout_of(tokenizer).encode(tokenizer, req.prompt, req.suffix)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "suffix", "fim_not_supported") from None
     if not req.prompt:
         raise APIError(400, "the prompt is empty", "prompt")
     prompt_ids = list(tokenizer(req.prompt).input_ids)
@@ -73,12 +73,20 @@ def max_tokens_within(asked: int | None, n_prompt: int, settings: ServerSettings
     return asked
 
 
-def sampling_params(req: SamplingFields) -> SamplingParams:
+def sampling_params(req: SamplingFields, state: ServerState) -> SamplingParams:
     """The request's sampling options; a value the library refuses is a 400."""
     try:
-        return req.sampling()
+        params = req.sampling()
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
+    check_vocabulary(params, state, "infill_sampler")
+    return params
+
+
+def check_vocabulary(params: SamplingParams, state: ServerState, param: str) -> None:
+    """A 400 when the params ask for the infill sampler and the model's token texts are not at hand."""
+    if params.infilling and state.pipeline.generator.vocabulary is None:
+        raise APIError(400, "the infill sampler needs the model's token texts (a fast tokenizer)", param)
 
 
 def generation_request(req: SamplingFields, prompt_ids: list[int], state: ServerState) -> Request:
@@ -101,6 +109,6 @@ def generation_request(req: SamplingFields, prompt_ids: list[int], state: Server
     k = 0 if req.drafter == "none" else req.num_draft_tokens
     if k is None:
         k = pipeline.k if state.speculative else 0
-    return Request(prompt_ids=prompt_ids, params=sampling_params(req), max_new_tokens=max_tokens,
+    return Request(prompt_ids=prompt_ids, params=sampling_params(req, state), max_new_tokens=max_tokens,
                    num_draft_tokens=k, stop=req.stop_list(), stop_token_ids=stop_ids,
                    ignore_eos=req.ignore_eos, logprobs=logprobs)

@@ -28,19 +28,21 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from verispec.apps.server.generation import max_tokens_within
+from verispec.apps.server.generation import check_vocabulary, max_tokens_within
 from verispec.apps.server.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, APIError
 from verispec.apps.server.responses import spec
 from verispec.decoding.request import Request
 from verispec.names.options import (
     LLAMA_SERVER_SAMPLERS,
+    Bounds,
     SamplingParams,
     from_llama_server,
     llama_server_fields,
     option_types,
+    sampling_options,
 )
 from verispec.pipeline.completion import Completion
-from verispec.pipeline.fim import NO_FIM, Budget, FimLayout
+from verispec.pipeline.fim import layout_of
 from verispec.pipeline.provenance import Piece
 from verispec.pipeline.text import INDENT, NEWLINE
 
@@ -49,7 +51,6 @@ if TYPE_CHECKING:
 
 MAX_EXTRA_CHUNKS = 64  # files in input_extra (llama.vscode sends up to 16 by default)
 MAX_COMPLETIONS = 8  # n_cmpl
-N_BATCH = 2048  # llama-server's default batch, which sizes its prefix and suffix budgets
 
 # fields llama-server takes that would change the answer and are not honoured here -> is this value harmless?
 UNSUPPORTED = {
@@ -76,8 +77,11 @@ class ExtraFile(BaseModel):
 
 
 def _sampling_fields() -> dict:
-    types = option_types()
-    return {field: (types[name], default) for field, (name, default) in llama_server_fields().items()}
+    """llama-server's sampling fields, each with llama-server's default and the server's bounds (OpenAI's where the
+    API has the option, else the library's)."""
+    types, options = option_types(), sampling_options()
+    return {field: (types[name], Field(default, **(options[name].api_bounds or options[name].bounds or Bounds())
+                                       .pydantic())) for field, (name, default) in llama_server_fields().items()}
 
 
 InfillSampling = create_model("InfillSampling", __config__=ConfigDict(extra="ignore", strict=True),
@@ -120,18 +124,16 @@ def unsupported_field(data: dict) -> str | None:
     return next((name for name, harmless in UNSUPPORTED.items() if name in data and not harmless(data[name])), None)
 
 
-def infill_prompt(tokenizer, req: InfillRequest, max_prompt_tokens: int) -> list[int]:
-    """The FIM prompt, fitted as llama-server fits it: the prefix's last 3/4 of a batch, the suffix's first quarter
-    less the prompt's tokens, and of the other files' last tokens what `max_prompt_tokens` leaves after those and a
-    batch (llama-server: what its slot's context leaves after a batch and twice n_predict)."""
-    layout = FimLayout.of(tokenizer)
-    if layout is None:
-        raise APIError(400, NO_FIM, "input_prefix", "fim_not_supported")
-    n_prompt = len(tokenizer(req.prompt, add_special_tokens=False, split_special_tokens=True).input_ids)
-    files = max(0, max_prompt_tokens - N_BATCH - 2 * max(req.n_predict, 0))
+def infill_prompt(tokenizer, req: InfillRequest, max_prompt_tokens: int, n_ctx: int) -> list[int]:
+    """The FIM prompt, fitted as llama-server fits it (FimLayout.fitted): the prefix's end, the suffix's start, and
+    of the other files what the prompt limit leaves, room kept for n_predict tokens in the context."""
+    try:
+        layout = layout_of(tokenizer)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "input_prefix", "fim_not_supported") from None
+    limit = min(max_prompt_tokens, n_ctx - 1 - max(req.n_predict, 0))
     extra = [(f.filename, f.text) for f in req.input_extra]
-    return layout.encode(tokenizer, req.input_prefix, req.input_suffix, extra, req.prompt,
-                         Budget.llama_server(n_prompt, files, N_BATCH), header=True)
+    return layout.fitted(tokenizer, req.input_prefix, req.input_suffix, extra, req.prompt, limit)
 
 
 def infill_request(req: InfillRequest, prompt_ids: list[int], state: ServerState, seed_offset: int = 0) -> Request:
@@ -142,6 +144,7 @@ def infill_request(req: InfillRequest, prompt_ids: list[int], state: ServerState
         params = req.sampling()
     except ValueError as exc:
         raise APIError(400, str(exc), "samplers" if "sampler" in str(exc) else None) from None
+    check_vocabulary(params, state, "samplers")
     params = params.nth(seed_offset)
     if any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
         raise APIError(400, f"a stop string must have 1 to {MAX_STOP_CHARS} characters", "stop")
@@ -158,12 +161,14 @@ def infill_request(req: InfillRequest, prompt_ids: list[int], state: ServerState
 @dataclass(frozen=True)
 class InfillAnswer:
     """llama-server's answer to /infill (see the module's docstring): whole, or streamed without [DONE].
-    `index`: which of the request's completions."""
+    `n_ctx`: the context a request has (its generation settings say it); `index`: which of the request's
+    completions."""
 
     req: InfillRequest
     model: str
     tokenizer: Any
     prompt_ids: list[int]
+    n_ctx: int
     index: int = 0
 
     done = ""
@@ -188,7 +193,7 @@ class InfillAnswer:
         if self.req.n_predict == 0:  # a cache fill: its token is not part of the answer
             content, tokens, n_new = "", [], 0
         ended = result.stop_reason
-        if result.finish_reason != "stop" or ended in (INDENT, NEWLINE):
+        if result.finish_reason != "stop" or (ended in (INDENT, NEWLINE) and ended not in self.req.stop):
             stop_type, word = "limit", ""
         elif ended is not None:
             stop_type, word = "word", ended
@@ -203,8 +208,8 @@ class InfillAnswer:
                    "predicted_per_token_ms": decode * 1e3 / n_new if n_new else 0.0,
                    "predicted_per_second": n_new / decode if decode else 0.0,
                    "draft_n": s.drafted, "draft_n_accepted": s.accepted}
-        settings = {"n_predict": self.req.n_predict, "stream": self.req.stream, "stop": self.req.stop,
-                    "n_indent": self.req.n_indent, "t_max_predict_ms": self.req.t_max_predict_ms,
+        settings = {"n_ctx": self.n_ctx, "n_predict": self.req.n_predict, "stream": self.req.stream,
+                    "stop": self.req.stop, "n_indent": self.req.n_indent, "t_max_predict_ms": self.req.t_max_predict_ms,
                     "samplers": self.req.samplers, **{f: getattr(self.req, f) for f in llama_server_fields()}}
         return {"index": self.index, "content": content, "tokens": list(tokens), "id_slot": 0, "stop": True,
                 "model": self.model, "tokens_predicted": n_new, "tokens_evaluated": len(self.prompt_ids),

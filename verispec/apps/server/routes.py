@@ -84,12 +84,23 @@ async def _last_event(job: Job):
 
 
 async def wait(request: Request, worker: Worker, jobs: list[Job]) -> list[tuple[str, object]]:
-    """(kind, payload) of each job's last event: done, error, unavailable or cancelled."""
+    """(kind, payload) of each job's last event (done), or, as soon as one job ends otherwise (error, unavailable,
+    cancelled: the client went away), that event alone; the jobs still running are cancelled."""
     watcher = asyncio.create_task(watch_disconnect(request, worker, jobs))
+    waiting = {asyncio.ensure_future(_last_event(job)): i for i, job in enumerate(jobs)}
+    events: list = [None] * len(jobs)
     try:
-        return list(await asyncio.gather(*(_last_event(job) for job in jobs)))
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                events[waiting.pop(task)] = event = task.result()
+                if event[0] != "done":
+                    return [event]
+        return events
     finally:
         watcher.cancel()
+        for task in waiting:
+            task.cancel()
         for job in jobs:
             worker.cancel(job)
 
@@ -127,8 +138,10 @@ async def wait_bodies(request: Request, jobs: list[Job], state: ServerState, ans
         events = await wait(request, state.worker, jobs)
     finally:
         state.metrics.in_progress.dec()
-    if any(kind == "cancelled" for kind, _ in events):
+    if events[0][0] == "cancelled":
         return Response(status_code=499)  # nobody reads it: the client is gone
+    if len(events) < len(jobs):  # one failed: its error answers the request
+        finished(*events[0])
     return [answer.body(job.text, finished(kind, payload), len(job.request.prompt_ids))
             for job, answer, (kind, payload) in zip(jobs, answers, events)]
 
@@ -196,15 +209,15 @@ async def infill(request: Request):
     state = server_state(request)
     req = parse_body(await request.body(), InfillRequest, infill_unsupported)
     tokenizer = state.pipeline.tokenizer
-    ids = await tokenize(state, infill_prompt, tokenizer, req, state.settings.max_prompt_tokens)
+    ids = await tokenize(state, infill_prompt, tokenizer, req, state.settings.max_prompt_tokens, state.n_ctx)
     name, loop = req.model or state.settings.model_names[0], asyncio.get_running_loop()
     jobs = [Job(infill_request(req, ids, state, i), loop) for i in range(req.completions)]
     if req.completions == 1:
-        return await serve(request, jobs[0], state, InfillAnswer(req, name, tokenizer, ids), req.stream)
+        return await serve(request, jobs[0], state, InfillAnswer(req, name, tokenizer, ids, state.n_ctx), req.stream)
     if jobs[0].request.params.greedy:
         jobs = jobs[:1]
     submit_all(state.worker, jobs)
-    answers = [InfillAnswer(req, name, tokenizer, ids, i) for i in range(req.completions)]
+    answers = [InfillAnswer(req, name, tokenizer, ids, state.n_ctx, i) for i in range(req.completions)]
     bodies = await wait_bodies(request, jobs, state, answers[: len(jobs)])
     if isinstance(bodies, Response):
         return bodies
