@@ -175,7 +175,8 @@ def test_the_editor_plugins_requests_are_served(server):
     """llama.vim's and llama.vscode's /infill bodies as they send them (their sampler chain with the infill sampler,
     n_indent, t_max_predict_ms, response_fields, a cache-warming request with n_predict 0)."""
     vim = {"id_slot": 0, "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": EXTRA, "prompt": "    ",
-           "n_predict": 12, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"],
+           "n_predict": 12, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90,
+           "samplers": ["top_k", "top_p", "infill"],
            "stream": False, "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
            "response_fields": ["content", "timings/prompt_n", "timings/prompt_ms", "timings/predicted_n",
                                "timings/predicted_ms", "truncated", "tokens_cached"]}

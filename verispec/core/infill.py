@@ -22,6 +22,7 @@ from functools import cached_property
 import torch
 
 from verispec.names.options import INFILL_TOP_K_MAX as MAX_CANDIDATES  # a row's tokens the infill sampler takes
+
 TEXT_FLOOR = 0.2  # step 3's first threshold, llama.cpp's
 
 

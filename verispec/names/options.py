@@ -293,9 +293,10 @@ def from_llama_server(values: Mapping[str, Any], samplers: Sequence[str] = LLAMA
     """SamplingParams for a request to llama-server's own API: `values` by llama-server's field names (its
     defaults for those left out, see llama_server_fields). llama.cpp runs only the samplers listed in `samplers` (the
     infill sampler where it is listed), so an option whose sampler is not listed is off (without the temperature
-    sampler, llama.cpp samples the distribution as it is: a temperature of 1); a temperature <= 0 is greedy; a top_k or min_p <= 0 and a top_p
-    >= 1 are off, as in llama.cpp; seed -1 is a fresh one. ValueError: a value the library refuses, a sampler
-    verispec has not (those of LLAMA_SERVER_OFF_SAMPLERS are off at their defaults and may be listed)."""
+    sampler, llama.cpp samples the distribution as it is: a temperature of 1); a temperature <= 0 is greedy; a
+    top_k or min_p <= 0 and a top_p >= 1 are off, as in llama.cpp; seed -1 is a fresh one. ValueError: a value the
+    library refuses, a sampler verispec has not (those of LLAMA_SERVER_OFF_SAMPLERS are off at their defaults and
+    may be listed)."""
     opts = sampling_options()
     known = {opt.sampler for opt in opts.values() if opt.sampler} | LLAMA_SERVER_OFF_SAMPLERS
     unknown = [s for s in samplers if s not in known]
