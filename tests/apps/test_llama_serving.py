@@ -107,3 +107,54 @@ def test_concurrent_server_answers_equal_lone_answers(pipes):
         assert "batch-invariant" in setup and "not batch-invariant" not in setup
     finally:
         assert server.stop() == 0
+
+
+# -- fill in the middle on the default target --------------------------------------------------------------
+
+CODE = ("def running_mean(values):\n    \"\"\"Means of the first 1, 2, ... values.\"\"\"\n    total, out = 0.0, []\n"
+        "    for i, v in enumerate(values):\n        total += v\n        out.append(total / (i + 1))\n    return out\n")
+CUTS = [("        total += v\n", "        out.append"), ("    total, out = 0.0, []\n", "    for i, v"),
+        ("    return out\n", "")]  # (the line cut out, where the text after it starts)
+FILES = [("stats/util.py", "def mean(values):\n    return sum(values) / len(values)\n")]
+
+
+def test_fim_prompt_is_llama_servers(pipes):
+    """The infill prompt verispec builds from the Hugging Face tokenizer is, token for token, the one llama-server
+    builds (format_prompt_infill) from llama.cpp's own vocabulary: its FIM markers (llama_vocab_fim_*) and its
+    tokenisation of each part with special tokens read as text."""
+    import llama_cpp
+
+    pipe = pipes["suffix"]
+    llm = pipe.generator.target.llm
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    pre, suf, mid, rep, sep = (f(vocab) for f in (llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf,
+                                                    llama_cpp.llama_vocab_fim_mid, llama_cpp.llama_vocab_fim_rep,
+                                                    llama_cpp.llama_vocab_fim_sep))
+
+    def tok(text: str) -> list[int]:
+        return llm.tokenize(text.encode(), add_bos=False, special=False) if text else []
+
+    prefix, suffix, typed = CODE[:120] + "<|fim_middle|>", CODE[120:], "  x = "
+    want = [rep, *tok("myproject\n"), sep, *tok("stats/util.py\n"), *tok(FILES[0][1]), sep, *tok("filename\n"), pre,
+            *tok(prefix), *tok(typed), suf, *tok(suffix), mid]
+    got = pipe.fim.fitted(pipe.tokenizer, prefix, suffix, FILES, typed, 8192)
+    assert got == want
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "model"])
+def test_infills_equal_plain_decoding(pipes, drafter):
+    """Infills of a cut line with the default drafter and the draft model: the tokens of plain decoding of the same
+    prompt; then each sent again with a longer prefix (an editor typing on) reuses the cached prefix."""
+    pipe = pipes[drafter]
+    for line, after in CUTS:
+        at = CODE.index(line)
+        prefix, suffix = CODE[:at], CODE[at + len(line) - 1:]
+        plain = pipe.generate(prefix, suffix=suffix, files=FILES, max_new_tokens=24, k=0)
+        spec = pipe.generate(prefix, suffix=suffix, files=FILES, max_new_tokens=24)
+        assert spec.token_ids == plain.token_ids, line
+        typed = prefix + line[:6]
+        resent = pipe.generate(typed, suffix=suffix, files=FILES, max_new_tokens=24)
+        assert resent.stats.cached_tokens >= len(pipe.encode_infill(prefix, "", FILES)) - 2
+        assert resent.token_ids == pipe.generate(typed, suffix=suffix, files=FILES, max_new_tokens=24, k=0).token_ids
+    assert pipe.fim is not None and "return" in pipe.generate(CODE[:CODE.index("    return")], suffix="\n",
+                                                                max_new_tokens=8).text
