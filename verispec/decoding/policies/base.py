@@ -22,6 +22,12 @@ from verispec.core.tree import TokenTree
 from verispec.names.drafters import Source
 
 
+def ema(old: float | None, new: float, decay: float) -> float:
+    """The running mean after `new`, `decay` being the weight of the past (old None: no past yet): how every k policy
+    keeps what it measures."""
+    return new if old is None else decay * old + (1.0 - decay) * new
+
+
 @dataclass(frozen=True)
 class RoundView:
     """What a policy sees before a round."""

@@ -25,18 +25,13 @@ from weakref import WeakKeyDictionary
 from verispec.core.draft import Draft
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import device_tensor
-from verispec.decoding.policies.base import Plan, RoundReport, RoundView
+from verispec.decoding.policies.base import Plan, RoundReport, RoundView, ema
 from verispec.decoding.policies.shared_pass import SharedPass
 from verispec.names.drafters import Source
 from verispec.names.k import K_MAX
 from verispec.proposers.ngram import NgramIndex
 
 GUESS_NGRAM = 4  # the longest suffix a filler guess looks up
-
-
-def ema(old: float | None, new: float, decay: float) -> float:
-    """The running mean after `new`, `decay` being the weight of the past (old None: no past yet)."""
-    return new if old is None else decay * old + (1.0 - decay) * new
 
 
 def _check_decay(decay: float) -> None:

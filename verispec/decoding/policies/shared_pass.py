@@ -18,19 +18,28 @@ row drafts, the first row whose source has a draft drafts one token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from verispec.decoding.policies.base import Plan, RoundReport, RoundView
+from verispec.decoding.policies.base import Plan, RoundReport, RoundView, ema
 from verispec.names.drafters import Source
 
-if TYPE_CHECKING:
-    from verispec.decoding.policies.cost_aware import CostAwareK
+
+class LonePolicy(Protocol):
+    """What SharedPass reads and teaches of a lone sequence's policy (CostAwareK): the target's pass costs
+    (`target`: verify(width), observe_verify, frontier, t_verify), the most drafts a row takes, and each source's
+    draft costs and acceptance (`for_source(source)`: .costs.t_draft, .acceptance.rates, .acceptance.observe)."""
+
+    target: Any
+    k_max: int
+
+    def for_source(self, source: str) -> Any: ...
 
 
 class SharedPass:
-    """Plans and learns the shared rounds of a CostAwareK (its target costs and per-source acceptance)."""
+    """Plans and learns the shared rounds of a lone policy (a CostAwareK: its target costs and per-source
+    acceptance)."""
 
-    def __init__(self, policy: CostAwareK, margin: float = 0.05, probe_every: int = 16, decay: float = 0.85) -> None:
+    def __init__(self, policy: LonePolicy, margin: float = 0.05, probe_every: int = 16, decay: float = 0.85) -> None:
         self.policy, self.margin, self.probe_every, self.decay = policy, margin, probe_every, decay
         self.steps: dict[str, float] = {}  # source -> seconds of one draft step shared by the round's drafting rows
         self._idle = 0  # shared rounds since one drafted
@@ -95,5 +104,4 @@ class SharedPass:
                     steps[r.source] = max(steps.get(r.source, 0), r.draft_steps)
         for source, n in steps.items():  # the rows of a source drafted in the same steps
             seconds = reports[0].draft_seconds / n
-            old = self.steps.get(source)
-            self.steps[source] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
+            self.steps[source] = ema(self.steps.get(source), seconds, self.decay)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from verispec.core.tree import TokenTree
 from verispec.decoding.policies.base import Plan, RoundReport, RoundView
-from verispec.decoding.policies.cost_aware import ema
+from verispec.decoding.policies.base import ema
 from verispec.names.drafters import Source
 from verispec.proposers.tree_draft import TREE_DEPTH
 
