@@ -22,8 +22,9 @@ from collections import defaultdict
 import llama_cpp
 
 from verispec.apps.bench import harness
-from verispec.apps.bench.harness import Bench, Config, balanced_orders
+from verispec.apps.bench.harness import Bench, Config
 from verispec.apps.bench.loader import load_prompts, select
+from verispec.apps.bench.measured import balanced_orders
 from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.core.sampling import SamplingParams
 from verispec.pipeline.text import encode_prompt

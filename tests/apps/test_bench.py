@@ -10,8 +10,9 @@ import pytest
 from tiny import save_tiny_pair
 
 import verispec.apps.bench.harness as harness
-from verispec.apps.bench.harness import Bench, Config, balanced_orders, first_difference, run_benchmark
+from verispec.apps.bench.harness import Bench, Config, first_difference, run_benchmark
 from verispec.apps.bench.loader import Prompt, answer_history, load_prompts, select
+from verispec.apps.bench.measured import balanced_orders
 from verispec.apps.bench.plan import caveats
 from verispec.apps.bench.report import alpha_from_mean_length, build_report, leviathan_bound, write_plots
 from verispec.apps.cli import main

@@ -23,8 +23,8 @@ from verispec.apps.bench.endpoint import (
     parse_prometheus,
     request_for,
     sse_events,
-    summarize,
 )
+from verispec.apps.bench.endpoint_report import summarize
 from verispec.apps.bench.loader import Prompt
 from verispec.apps.cli import main
 

@@ -17,7 +17,7 @@ from verispec.core.rows import target_rows, tree_rows
 from verispec.core.sampling import SamplingParams, sample
 from verispec.core.sequence import TokenSequence
 from verispec.core.tree import ROOT, TokenTree, verify_tree
-from verispec.decoding import engine as engine_module
+from verispec.decoding import tree_round as tree_round_module
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.decoding.policies.base import RoundReport, RoundView
 from verispec.decoding.policies.tree_budget import AcceptedTable, TreeBudget, VerifyCost
@@ -298,7 +298,7 @@ def test_tree_negative_control_fails(small_vocab_pair, monkeypatch):
             path.append(child)
             row = child + 1
 
-    monkeypatch.setattr(engine_module, "verify_tree", chain_rule_on_a_tree)
+    monkeypatch.setattr(tree_round_module, "verify_tree", chain_rule_on_a_tree)
     params = SamplingParams(temperature=1.0)
     counts, _ = _tree_histograms(target, draft, params, n=1500, steps=4, seed0=0)  # token 1 from the prefill
     exact = _exact_marginals(target, [3, 1, 2], params, 4)

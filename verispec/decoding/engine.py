@@ -42,17 +42,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.backends.base import Model, TreeModel, common_prefix_length
+from verispec.backends.base import Model, common_prefix_length
 from verispec.core.draft import Draft
 from verispec.core.infill import TokenPieces
-from verispec.core.rows import TokenLogprob, commit, outcome, token_logprobs, tree_rows, verify
+from verispec.core.rows import TokenLogprob, commit, outcome, verify
 from verispec.core.sampling import SamplingParams, generator_for
 from verispec.core.sequence import TokenSequence
-from verispec.core.timing import Clock, device_tensor, sync
-from verispec.core.tree import TokenTree, verify_tree
+from verispec.core.timing import Clock, sync
+from verispec.core.tree import TokenTree
 from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView, SharedKPolicy
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.decoding.round import settle
+from verispec.decoding.tree_round import tree_round
 from verispec.names.drafters import DRAFT_MODEL_SOURCES, Source
 from verispec.names.k import DEFAULT_K, check_k
 from verispec.proposers.base import Drafter
@@ -395,30 +396,9 @@ class SpeculativeGenerator:
         return results
 
     def _verify_tree(self, row: Row, tree: TokenTree) -> tuple[list[int], int, list[int]]:
-        """Score, verify and commit a row's token tree (verispec.core.tree) in one tree-masked pass over its root
-        (the last committed token) and nodes; the slot keeps the root and the accepted path. A prompt not yet in
-        the cache is fed first, in a pass of its own. Returns (committed ids, accepted count, accepted nodes)."""
-        seq, slot, params, target = row.seq, row.slot, row.request.params, self.target
-        if not isinstance(target, TreeModel):
-            raise ValueError("token trees need a target that verifies trees (the lean path)")
-        device, length = seq.device_ids.device, len(seq)
-        if target.lengths[slot] < length - 1:
-            target.forward_rows([slot], [seq.device_ids[target.lengths[slot] : length - 1]], logits_for=[0])
-        base = length - 1
-        positions = device_tensor([base, *(base + d for d in tree.depths)], device)
-        visible = torch.cat([torch.ones(len(tree) + 1, 1, dtype=torch.bool, device=device), tree.paths()], dim=1)
-        logits = target.forward_tree(slot, torch.cat([seq.device_ids[-1:], tree.tokens]), positions, base, visible,
-                                     base + tree.depth)
-        path, token = verify_tree(tree_rows(logits, tree, params, seq), tree, params.greedy, row.generator)
-        rows = [0] + [node + 1 for node in path]  # of logits: the rows that chose each committed token
-        tokens = tree.tokens.tolist()
-        committed = [tokens[node] for node in path] + [token]
-        if row.logprobs is not None:
-            logp = tree_rows(logits, tree, params, seq, log=True)[rows]
-            row.logprobs.extend(token_logprobs(logp, committed, row.request.top_logprobs or 0))
-        target.compact(slot, base, rows)
-        seq.extend(committed, device_tensor(committed, device))
-        return committed, len(path), path
+        """Score, verify and commit a row's token tree in one tree-masked pass (verispec.decoding.tree_round)."""
+        return tree_round(self.target, row.slot, row.seq, tree, row.request.params, row.generator, row.logprobs,
+                          row.request.top_logprobs or 0)
 
     def _book_parts(self, parts: dict[Row, int], seconds: float) -> None:
         """A part of each of these rows' prompts went into the round's pass."""

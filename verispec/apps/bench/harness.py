@@ -1,5 +1,5 @@
 """Run plain decoding (the baseline) and each speculative configuration on every prompt, interleaved in
-one process (in a balanced order, see `balanced_orders`) so that drift on a noisy machine hits all of them alike."""
+one process (in a balanced order, see measured.balanced_orders) so that drift on a noisy machine hits all of them alike."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from verispec.apps.bench.loader import Prompt, answer_history
-from verispec.apps.bench.measured import Measured
+from verispec.apps.bench.measured import Measured, balanced_orders
 from verispec.assembly.build import build
 from verispec.assembly.registry import BACKENDS, DRAFTERS
 from verispec.assembly.resolve import resolve
@@ -281,24 +281,6 @@ def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: in
     ttft = None if first is None else first - t0
     pipe.generator.reset()  # the target's llama.cpp context may be this one: its cache no longer holds ours
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new, ttft=ttft, first_tokens=min(1, len(new)))
-
-
-def balanced_orders(n: int) -> list[list[int]]:
-    """A Williams design over n configurations: orders in which each takes every position equally often and
-    follows every other one equally often (n orders for even n, 2n for odd n). A run can leave state behind
-    that slows or speeds the next (caches, memory another llama.cpp context touched): rotating one fixed
-    order let every configuration follow the same one every time, which confounds that carry-over with the
-    configuration itself; here it averages out."""
-    first, low, high = [0], 1, n - 1
-    for j in range(1, n):
-        if j % 2:
-            first.append(low)
-            low += 1
-        else:
-            first.append(high)
-            high -= 1
-    orders = [[(x + i) % n for x in first] for i in range(n)]
-    return orders + [order[::-1] for order in orders] if n % 2 else orders
 
 
 def run_benchmark(

@@ -9,15 +9,8 @@ from verispec.apps.cli.bench_common import _bench_outcome, _bench_prompts, _comm
 
 def cmd_bench_endpoints(args) -> int:
     """`verispec bench --endpoint URL ...`: the prompt set against OpenAI-compatible servers, one table."""
-    from verispec.apps.bench.endpoint import (
-        EndpointError,
-        _set_speedups,
-        build_endpoint_report,
-        parse_endpoint,
-        render_endpoint_table,
-        run_concurrent,
-        run_endpoints,
-    )
+    from verispec.apps.bench.endpoint import EndpointError, _set_speedups, parse_endpoint, run_concurrent, run_endpoints
+    from verispec.apps.bench.endpoint_report import build_endpoint_report, render_endpoint_table
     from verispec.apps.bench.plan import endpoint_metadata
 
     local = [flag for flag, value in (("--target", args.target), ("--draft", args.draft), ("--compare", args.compare),

@@ -25,8 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from verispec.core.tree import TokenTree
-from verispec.decoding.policies.base import Plan, RoundReport, RoundView
-from verispec.decoding.policies.base import ema
+from verispec.decoding.policies.base import Plan, RoundReport, RoundView, ema
 from verispec.names.drafters import Source
 from verispec.proposers.tree_draft import TREE_DEPTH
 
