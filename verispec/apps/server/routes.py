@@ -214,17 +214,14 @@ async def infill(request: Request):
     jobs = [Job(infill_request(req, ids, state, i), loop) for i in range(req.completions)]
     if req.completions == 1:
         return await serve(request, jobs[0], state, InfillAnswer(req, name, tokenizer, ids, state.n_ctx), req.stream)
-    if jobs[0].request.params.greedy:
+    if jobs[0].request.params.greedy:  # one generation answers as every completion
         jobs = jobs[:1]
     submit_all(state.worker, jobs)
     answers = [InfillAnswer(req, name, tokenizer, ids, state.n_ctx, i) for i in range(req.completions)]
     bodies = await wait_bodies(request, jobs, state, answers[: len(jobs)])
     if isinstance(bodies, Response):
         return bodies
-    if len(bodies) < len(answers):  # greedy: the one generation, as each completion
-        job = jobs[0]
-        bodies = [answer.body(job.text, job.result, len(ids)) for answer in answers]
-    return bodies
+    return bodies + [answer.body(jobs[0].text, jobs[0].result, len(ids)) for answer in answers[len(bodies):]]
 
 
 async def list_models(request: Request):
