@@ -3,8 +3,9 @@ VERISPEC_HOME ?= $(HOME)/.cache/verispec
 
 .PHONY: setup install install-llamacpp llamacpp-wheel models test test-fast browser-deps
 
-# Install the package into the current Python environment (torch pinned to 2.13.0, CPU) and pull the default
-# model pair and the small test model (GGUFs and tokenizers; transformers' bf16 copies are made on first use) while
+# Install the package and its extras (serve, bench, test) into the current Python environment (torch pinned to
+# 2.13.0, CPU) and pull the default model pair and the small test model (GGUFs and tokenizers; transformers' bf16
+# copies are made on first use) while
 # the optional llama.cpp backend compiles beside them (it needs neither); then install it. A failed llama.cpp
 # build prints its last lines and a warning, and the default pair runs on transformers; a failed install or pull,
 # or an interrupt, stops the build too (setsid: it runs in a process group of its own, whatever the shell).
@@ -24,7 +25,7 @@ setup:
 	rm -f $$log
 
 install:
-	$(PYTHON) -m pip install -q -e '.[test]'
+	$(PYTHON) -m pip install -q -e '.[serve,bench,test]'
 
 # The llama.cpp backend (the [llamacpp] extra): llama-cpp-python's source with verispec's kernel patch
 # (native/llama.cpp-kernels.patch: multi-column kernels that make a verification pass over a few tokens cost

@@ -182,6 +182,37 @@ def test_llamacpp_backend_without_the_extra_says_how_to_install(pair_dirs, capsy
     assert out["draft_backend"] == "hf" and len(out["token_ids"]) == 4
 
 
+@pytest.mark.parametrize("argv, extra, module", [
+    (["serve"], "serve", "fastapi"),
+    (["bench", "--endpoint", "http://127.0.0.1:9/v1"], "bench", "httpx"),
+    (["bench", "--plot-dir", "plots", "--limit", "1"], "bench", "matplotlib"),
+])
+def test_a_missing_extra_is_named_in_one_line(capsys, monkeypatch, argv, extra, module):
+    """The core install is the library and the command line: a command that needs an extra says which, and how to
+    install it, before loading anything."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else find(name, *a))
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"pip install 'verispec[{extra}]'" in err and module in err
+
+
+def test_the_core_install_needs_no_extra():
+    """pyproject's dependencies hold none of the extras' packages (the server's, the plots', the HTTP client)."""
+    import tomllib
+    from pathlib import Path
+
+    from verispec.apps.cli.errors import EXTRAS
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"]).lower().replace("-", "_")
+    for extra, modules in EXTRAS.items():
+        assert all(m not in core for m in modules), extra
+        assert extra in project["optional-dependencies"]
+
+
 def test_llamacpp_installed_but_broken_says_what_fails(monkeypatch):
     """A llama-cpp-python whose own dependency is missing is not reported as not installed."""
     import builtins

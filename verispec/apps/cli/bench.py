@@ -32,7 +32,7 @@ from verispec.apps.cli.bench_common import (
     _print_table,
 )
 from verispec.apps.cli.bench_endpoints import cmd_bench_endpoints
-from verispec.apps.cli.errors import _one_line
+from verispec.apps.cli.errors import _one_line, require_extra
 from verispec.names.drafters import DRAFTER_NAMES
 from verispec.names.errors import ModelError
 from verispec.names.k import DEFAULT_K, DEFAULTS, Defaults, default_k, parse_k
@@ -210,6 +210,8 @@ def _measure(bench, prompts: list, configs: list, params, args) -> tuple[list, s
 
 def cmd_bench(args) -> int:
     _check_json_out(args.json_out)
+    if args.plot_dir:
+        require_extra("bench", "verispec bench --plot-dir", ("matplotlib",))
     if args.warm_history and args.turn < 2:
         raise ValueError("--warm-history needs --turn 2 or later (a turn with a conversation before it)")
     if args.endpoint:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from verispec.apps.cli.args import _endpoint_sampling, _sampling, _stderr_console
 from verispec.apps.cli.bench_common import _bench_outcome, _bench_prompts, _command_line, _emit_json, _print_table
+from verispec.apps.cli.errors import require_extra
 
 
 def cmd_bench_endpoints(args) -> int:
     """`verispec bench --endpoint URL ...`: the prompt set against OpenAI-compatible servers, one table."""
+    require_extra("bench", "verispec bench --endpoint", ("httpx",))
     from verispec.apps.bench.endpoint import EndpointError, _set_speedups, parse_endpoint, run_concurrent, run_endpoints
     from verispec.apps.bench.endpoint_report import build_endpoint_report, render_endpoint_table
     from verispec.apps.bench.plan import endpoint_metadata

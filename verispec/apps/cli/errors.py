@@ -16,6 +16,21 @@ class CommandError(RuntimeError):
     """The command failed while running (exit status 1); the message says why."""
 
 
+# an optional part of the package -> the modules it installs (pyproject.toml's optional dependencies)
+EXTRAS = {"serve": ("fastapi", "uvicorn", "prometheus_client", "pydantic"), "bench": ("httpx", "matplotlib")}
+
+
+def require_extra(extra: str, what: str, modules: tuple[str, ...] | None = None) -> None:
+    """CommandError (one line) when the [extra] part of the package that `what` needs is not installed (only
+    `modules` of it, where given)."""
+    import importlib.util
+
+    missing = [m for m in (modules or EXTRAS[extra]) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CommandError(f"{what} needs verispec's [{extra}] extra ({', '.join(missing)} not installed): "
+                           f"pip install 'verispec[{extra}]'")
+
+
 def _one_line(exc: BaseException) -> str:
     """An exception as one line: its message's first line, after its type unless it is one of ours (a bad
     value, a model problem, a command failure), whose messages are written for users."""

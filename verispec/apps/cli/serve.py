@@ -8,6 +8,7 @@ import os
 import sys
 
 from verispec.apps.cli.args import _add_model_args, _check_draft, _command, _pipeline, _positive_int
+from verispec.apps.cli.errors import require_extra
 from verispec.apps.server.settings import ServerSettings
 
 # serve --max-batch (the library's ServerSettings decodes one at a time unless asked): see docs/performance.md
@@ -46,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args) -> int:
+    require_extra("serve", "verispec serve")
     from verispec.apps.server.app import create_app
     from verispec.apps.server.run import serve
 
