@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from tiny import bpe_tokenizer, byte_tokenizer, save_tiny_pair, sentencepiece_tokenizer, tiny_qwen2
@@ -38,6 +39,27 @@ def test_generate_greedy_same_ids_with_and_without_speculation(pair_dirs, capsys
     assert spec["num_draft_tokens"] == int(k)
     if chat and k == "4":  # without -k: 4 on transformers (auto is the default only where llama.cpp runs)
         assert _run_json(capsys, *common)["num_draft_tokens"] == 4
+
+
+def test_structured_output_flags(pair_dirs, capsys, tmp_path):
+    """--json-schema FILE and --regex: the answer matches, the same with and without speculation; a missing file, a
+    schema that is not JSON, an invalid regex or two constraints: one line on stderr, a non-zero exit."""
+    target, draft = pair_dirs
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 999}},
+                                  "required": ["n"], "additionalProperties": False}))
+    common = ["--target", target, "--draft", draft, "--prompt", "count", "--max-new-tokens", "40", "--dtype", "fp32"]
+    spec = _run_json(capsys, *common, "--json-schema", str(schema))
+    assert _run_json(capsys, *common, "--json-schema", str(schema), "--no-speculation")["text"] == spec["text"]
+    assert set(json.loads(spec["text"])) == {"n"} and spec["finish_reason"] == "stop"
+    assert re.fullmatch("[a-c]{3}x", _run_json(capsys, *common, "--regex", "[a-c]{3}x")["text"])
+    (tmp_path / "bad.json").write_text("{not json")
+    for flags in (["--json-schema", str(tmp_path / "missing.json")], ["--json-schema", str(tmp_path / "bad.json")],
+                  ["--regex", "(a"], ["--regex", "a", "--json-schema", str(schema)]):
+        assert main(["generate", *common, *flags]) != 0, flags
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("verispec"), (flags, err)
 
 
 def test_streamed_text_equals_json_text(pair_dirs, capsys):

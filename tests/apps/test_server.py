@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pydantic
 import pytest
 from server_util import ServerProcess, metric
 from tiny import save_tiny_pair
@@ -109,6 +111,55 @@ def test_error_cases(client, server):
     ok = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                            "unknown_field": 1, "temperature": 0})
     assert ok.status_code == 200  # unknown fields are ignored
+
+
+class Person(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=6)
+    age: int = pydantic.Field(ge=0, le=99)
+    member: bool
+
+
+def test_structured_output(client, server):
+    """The openai SDK's parse with a pydantic model (a strict json_schema response_format), streamed too; json_object;
+    vLLM's guided_regex and guided_choice: every answer matches (the tiny model writes random bytes, so only the
+    grammar makes them match); greedy answers the same with and without speculation. Bad schemas, regexes and two
+    constraints at once: a 400 naming the field."""
+    messages = [{"role": "user", "content": "who?"}]
+    for seed in range(3):
+        parsed = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Person,
+                                               max_tokens=120, temperature=1.0, seed=seed)
+        assert parsed.choices[0].finish_reason == "stop" and isinstance(parsed.choices[0].message.parsed, Person)
+    greedy = dict(model=MODEL, messages=messages, max_tokens=120, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True,
+                                                                          "schema": Person.model_json_schema()}})
+    spec = client.chat.completions.create(**greedy).choices[0].message.content
+    plain = client.chat.completions.create(**greedy, extra_body={"drafter": "none"}).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**greedy, stream=True)
+                       if c.choices)
+    assert spec == plain == streamed and Person.model_validate_json(spec)
+    anything = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
+                                              response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    else:
+        assert anything.choices[0].message.content.startswith("{")
+    date = client.completions.create(model=MODEL, prompt="when?", max_tokens=20, temperature=1.0, seed=1,
+                                     extra_body={"guided_regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}).choices[0]
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", date.text) and date.finish_reason == "stop"
+    pick = client.completions.create(model=MODEL, prompt="pick", max_tokens=20, temperature=0,
+                                     extra_body={"guided_choice": ["red", "green", "blue"]}).choices[0]
+    assert pick.text in ("red", "green", "blue")
+    bad = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format"),
+           ({"guided_regex": "(unclosed"}, "guided_regex"),
+           ({"guided_regex": "a", "guided_choice": ["a"]}, "response_format"),
+           ({"response_format": {"type": "json_schema"}}, "response_format"),
+           ({"guided_grammar": "start: undefined_rule"}, "guided_grammar")]
+    for extra, param in bad:
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None  # still up
 
 
 def test_penalties_logprobs_and_stop_token_ids(client, pair_dirs):

@@ -27,6 +27,7 @@ from verispec.backends.lean import LeanBatch, lean_unsupported
 from verispec.backends.loading import DTYPES, eog_token_ids
 from verispec.backends.vocab import same_vocabulary
 from verispec.catalog.vocab import token_bytes
+from verispec.core.grammar import Grammars
 from verispec.core.infill import TokenPieces
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.names.drafters import BACKEND_NAMES
@@ -117,7 +118,8 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     policy = None if draft is None else DRAFTERS[draft.drafter].auto_policy(k_max)
     generator = SpeculativeGenerator(target_model, drafter, eos, k, auto_policy=policy,
                                      max_length=None if draft_model is None or cross else draft_model.max_length,
-                                     vocabulary=token_pieces(tokenizer, eos, target_model.vocab_size))
+                                     vocabulary=token_pieces(tokenizer, eos, target_model.vocab_size),
+                                     grammars=grammars_for(tokenizer, eos, target_model.vocab_size))
     kernels = None
     if "llamacpp" in (target.backend, draft_backend):
         from verispec.backends.llamacpp import kernels as llama_kernels
@@ -184,7 +186,7 @@ def batch_generator(pipe: Pipeline, max_batch: int) -> SpeculativeGenerator:
     vocab = pipe.vocab_bridge if pipe.vocab_bridge is not None else target.vocab_size
     drafter = None if pipe.drafter == "none" else DRAFTERS[pipe.drafter].make(draft, vocab, max_batch)
     return SpeculativeGenerator(target, drafter, lone.eos_token_ids, pipe.k, auto_policy=lone.k_policy,
-                                max_length=pipe.context_length, vocabulary=lone.vocabulary)
+                                max_length=pipe.context_length, vocabulary=lone.vocabulary, grammars=lone.grammars)
 
 
 def token_pieces(tokenizer, eog: list[int], vocab_size: int) -> TokenPieces | None:
@@ -203,6 +205,21 @@ def token_pieces(tokenizer, eog: list[int], vocab_size: int) -> TokenPieces | No
 
     eos = getattr(tokenizer, "eos_token_id", None)
     return TokenPieces(load, frozenset(eog), eos if eos in eog else min(eog))
+
+
+def grammars_for(tokenizer, eog: list[int], vocab_size: int) -> Grammars | None:
+    """What compiles requests' constraints for the target (verispec.core.grammar): llguidance reads the fast
+    tokenizer's vocabulary on first use, every id up to the model's `vocab_size` (the ones past the tokenizer's
+    never allowed), and lets the grammar end with any of the ids that end generation; None without a fast tokenizer."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None or not eog:
+        return None
+
+    def load():
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eog))
+
+    return Grammars(load, vocab_size)
 
 
 def build_pipeline(

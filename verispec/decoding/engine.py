@@ -19,7 +19,9 @@ round (its prefill of the prompt with it), so the first token waits only for the
 round is plain decoding, through the same code (the baseline).
 Prompts are fed at most `prefill_chunk` tokens per round in all (the oldest request's first), so a long prompt goes
 in over several rounds while the other rows keep committing. A token tree (the tree drafter's draft) is verified in
-a tree-masked pass of its own row; trees do not batch.
+a tree-masked pass of its own row; trees do not batch. A constrained row (structured output: verispec.core.grammar)
+has its draft walked through its grammar before the pass and its logits masked after it; the tokens its grammar
+forces are its draft, free.
 
 A row's tokens depend only on its own prompt, settings and generator, never on its batch mates: greedy rows equal
 plain decoding, sampled rows follow the target's distribution (as far as the target computes a row the same in
@@ -38,21 +40,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
 from verispec.backends.base import Model, common_prefix_length
 from verispec.core.draft import Draft
+from verispec.core.grammar import Grammars, apply_masks, walk_drafts
 from verispec.core.infill import TokenPieces
-from verispec.core.rows import TokenLogprob, commit, outcome, verify
+from verispec.core.rows import commit, outcome, verify
 from verispec.core.sampling import SamplingParams, generator_for
 from verispec.core.sequence import TokenSequence
-from verispec.core.timing import Clock, sync
+from verispec.core.timing import Clock, device_tensor, sync
 from verispec.core.tree import TokenTree
 from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView, SharedKPolicy
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.decoding.round import settle
+from verispec.decoding.row import Generation, Row
 from verispec.decoding.tree_round import tree_round
 from verispec.names.drafters import DRAFT_MODEL_SOURCES, Source
 from verispec.names.k import DEFAULT_K, check_k
@@ -60,40 +64,7 @@ from verispec.proposers.base import Drafter
 from verispec.proposers.lookup import no_draft
 
 PREFILL_CHUNK = 512  # prompt tokens a round feeds at most, over all the rows still being prefilled
-
-
-@dataclass(eq=False)
-class Row:
-    """One request being decoded: its resolved request, k policy and stop test, and its slot, committed sequence,
-    generator and result (filled as rounds commit). `prefilled` once a round has fed its whole prompt; `done` once
-    it finished or was cancelled."""
-
-    request: Resolved
-    policy: KPolicy
-    stop: StopFn | None
-    result: GenerationResult
-    seq: TokenSequence
-    generator: torch.Generator
-    slot: int
-    logprobs: list[TokenLogprob] | None = None
-    started: float = field(default_factory=time.perf_counter)
-    prefilled: bool = False
-    done: bool = False
-
-
-class Generation:
-    """Iterate to get each round's newly committed tokens (`Committed`); `result` is filled as it goes.
-    Closing the iterator early (a client went away) leaves the engine consistent."""
-
-    def __init__(self, rounds: Iterator[Committed], result: GenerationResult) -> None:
-        self._rounds = rounds
-        self.result = result
-
-    def __iter__(self) -> Iterator[Committed]:
-        return self._rounds
-
-    def close(self) -> None:
-        self._rounds.close()  # type: ignore[attr-defined]
+PLAIN = FixedK(0)  # the policy of a request decoded plainly (k = 0, or no drafter): one token a pass, no draft at all
 
 
 class SpeculativeGenerator:
@@ -112,6 +83,7 @@ class SpeculativeGenerator:
         max_length: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         vocabulary: TokenPieces | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -126,6 +98,7 @@ class SpeculativeGenerator:
         self.max_length = min(target.max_length, max_length or target.max_length)  # the pair's context
         self.prefill_chunk = prefill_chunk
         self.vocabulary = vocabulary  # the token texts the infill sampler reads
+        self.grammars = grammars  # compiles requests' constraints (None: the tokenizer cannot: no fast tokenizer)
         self.device = target.device
         self.active: list[Row] = []  # active[i] holds slot i
         self._held: list[list[int]] = [[] for _ in range(self.max_batch)]  # a free slot's cached ids
@@ -147,6 +120,11 @@ class SpeculativeGenerator:
                            eos_ids=self.eos_token_ids, default_k=self.num_draft_tokens, vocabulary=self.vocabulary)
         if resolved.k == "auto" and self.drafter is not None:
             self._check_auto()
+        if resolved.constraint is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer as a fast (Rust) tokenizer")
+            self.grammars.compile(resolved.constraint)  # ValueError: an invalid schema, regex or grammar
+            resolved = replace(resolved, stop_ids=resolved.stop_ids | self.grammars.end_ids)
         return resolved
 
     def add(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
@@ -164,9 +142,10 @@ class SpeculativeGenerator:
         self._swap(slot, self._best_free(prompt))  # the free slot whose cache shares the most with the prompt
         k = 0 if self.drafter is None else resolved.k
         seq = TokenSequence(prompt, len(prompt) + resolved.max_new_tokens + 1, self.device)
-        row = Row(resolved, self.k_policy if k == "auto" else FixedK(k), stop, result, seq,
+        row = Row(resolved, self.k_policy if k == "auto" else PLAIN if k == 0 else FixedK(k), stop, result, seq,
                   generator_for(resolved.params, self.device), slot,
-                  None if resolved.top_logprobs is None else [])
+                  None if resolved.top_logprobs is None else [],
+                  None if resolved.constraint is None else self.grammars.row(resolved.constraint))
         keep = min(common_prefix_length(self._held[slot], prompt), len(prompt) - 1, self.target.lengths[slot])
         self.target.rollback(slot, keep)  # the cache keeps what the prompt shares with the slot's last sequence
         result.stats.cached_tokens = keep
@@ -237,14 +216,16 @@ class SpeculativeGenerator:
         plans, shared = self._plan(ready, parts)
         catch_ups = [self._catch_up(row, plan) for row, plan in zip(ready, plans)]
         t1 = clock.mark()
-        drafts = self._drafts(ready, plans)
+        proposed = self._drafts(ready, plans)
+        drafts, masks = walk_drafts([row.grammar for row in ready], proposed)
         t2 = clock.mark()
         fed = [len(row.seq) - self.target.lengths[row.slot] + draft.tokens.numel() for row, draft in zip(ready, drafts)]
         if ready and drafts[0].tree is not None:  # a token tree: its own tree-masked pass (trees do not batch)
             results = [self._verify_tree(ready[0], drafts[0].tree)]
             t3 = clock.mark()
         else:
-            logits = self._score(ready, drafts, parts)
+            logits = [row_logits if mask is None else apply_masks(row_logits, mask)
+                      for row_logits, mask in zip(self._score(ready, drafts, parts), masks)]
             verified = [verify(row.seq, draft, row_logits, row.request.params, row.generator)
                         for row, draft, row_logits in zip(ready, drafts, logits)]
             t3 = clock.mark()
@@ -253,11 +234,13 @@ class SpeculativeGenerator:
             sync(self.device)
         self._book_parts(parts, clock.seconds(t2, t3) if parts else 0.0)
         out, shared_reports = [], []
-        for row, plan, draft, (committed, accepted, path), (caught, t_catch), n in zip(
-                ready, plans, drafts, results, catch_ups, fed):
+        for row, plan, asked, draft, (committed, accepted, path), (caught, t_catch), n in zip(
+                ready, plans, proposed, drafts, results, catch_ups, fed):
             self.target.rollback(row.slot, len(row.seq) - 1)  # the cache keeps the committed tokens it has seen
             if self.drafter is not None and plan.draft is None and plan.k > 0:
-                self.drafter.observe(row.slot, row.seq, draft.tokens.numel(), accepted)  # it rolls back its cache
+                self.drafter.observe(row.slot, row.seq, asked.tokens.numel(), accepted)  # it rolls back its cache
+            if row.grammar is not None:
+                row.grammar.commit(committed)
             report = RoundReport(
                 k=plan.k, source=draft.source if draft.tokens.numel() else "", drafted=draft.tokens.numel(),
                 accepted=accepted, fed=n, first=not row.prefilled, own_draft=plan.draft is not None,
@@ -296,7 +279,18 @@ class SpeculativeGenerator:
                      + sum(plan.k for plan in plans if plan is not None))
             for i, plan in zip(auto, self.k_policy.choose_shared([views[i] for i in auto], width, len(rows))):
                 plans[i] = plan
-        return plans, shared
+        return [plan if row.grammar is None or row.policy is PLAIN else self._constrained(row, view, plan)
+                for row, view, plan in zip(rows, views, plans)], shared
+
+    def _constrained(self, row: Row, view: RoundView, plan: Plan) -> Plan:
+        """A constrained row's plan: the tokens its grammar forces next, where there are any, as a free draft of
+        their own (also in a first round: they cost no draft prefill); no token tree (a tree's nodes are not walked
+        through the grammar)."""
+        forced = row.grammar.forced(row.request.max_new_tokens - row.seq.new_tokens - 1)
+        if forced:
+            return Plan(len(forced), Draft(device_tensor(forced, self.device), None, Source.GRAMMAR))
+        return Plan(0) if view.source == Source.TREE else plan
+
 
     def _view(self, row: Row) -> RoundView:
         """What the k policy sees before a row's round. A first round does not draft with a draft model (a chain

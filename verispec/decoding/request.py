@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from verispec.core.grammar import Constraint
 from verispec.core.rows import TokenLogprob
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.stats import SpecStats
@@ -31,7 +32,8 @@ class Request:
     after the first indented less ends generation before its first character; `newline_after` seconds after the
     first token, the next newline ends it, kept); `stop_token_ids` end generation like EOS does; `ignore_eos`:
     EOS does not; min_tokens (in params) masks whichever ids end it; `logprobs` n >= 0: each token's logprob and
-    the n most likely alternatives under the target's processed distribution (None: not computed)."""
+    the n most likely alternatives under the target's processed distribution (None: not computed);
+    `constraint`: what the output must match (a JSON schema, a regex, a choice, a grammar: verispec.core.grammar)."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
@@ -43,6 +45,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         for name in ("prompt_ids", "stop_token_ids"):
@@ -71,6 +74,7 @@ class Resolved:
     k: int | str
     stop_ids: frozenset[int]
     top_logprobs: int | None
+    constraint: Constraint | None = None
 
     def new_result(self) -> GenerationResult:
         result = GenerationResult(token_ids=[], finish_reason="length")
@@ -105,8 +109,13 @@ def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: froz
         if vocabulary is None:
             raise ValueError("the infill sampler needs the model's token texts, which this engine was not given")
         params = params.with_vocabulary(vocabulary)
+    if request.constraint is not None:
+        if params.infilling:
+            raise ValueError("the infill sampler cannot be combined with structured output")
+        if params.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output: the grammar says where it ends")
     max_new_tokens = min(request.max_new_tokens, max_length - len(prompt))
-    return Resolved(prompt, params, max_new_tokens, k, stop_ids, request.logprobs)
+    return Resolved(prompt, params, max_new_tokens, k, stop_ids, request.logprobs, request.constraint)
 
 
 @dataclass

@@ -19,6 +19,7 @@ class Source(StrEnum):
     SUFFIX_SHORT = "suffix-short"  # suffix-tree lookup, a shorter match
     TREE = "tree"  # a token tree from a draft LM: a plan's k is its node budget, its depth the draft forwards
     GUESS = "guess"  # a k policy's own one-token guess, verified to learn a pass's cost
+    GRAMMAR = "grammar"  # the tokens a request's grammar forces next (structured output)
     NONE = "none"  # the drafter has no draft this round
 
 

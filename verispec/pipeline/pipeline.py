@@ -15,9 +15,11 @@ import torch
 
 from verispec.backends.base import Model
 from verispec.backends.vocab import VocabBridge
+from verispec.core.grammar import Constraint
 from verispec.core.sampling import SamplingParams
-from verispec.decoding.engine import Generation, SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeGenerator
 from verispec.decoding.request import Committed, Request
+from verispec.decoding.row import Generation
 from verispec.names.errors import SpecError
 from verispec.names.options import MAX_NEW_TOKENS, sampling_from
 from verispec.pipeline.completion import Completion
@@ -272,18 +274,24 @@ class Pipeline:
 
     def request(self, prompt: Prompt, *, suffix: str | None = None, files: Any = (), max_new_tokens: int | None = None,
                 stop: Sequence[str] | str = (), k: int | str | None = None, generation_config=None,
-                **sampling: Any) -> Request:
+                json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
+                choice: Sequence[str] | None = None, grammar: str | None = None, **sampling: Any) -> Request:
         """The Request for a prompt and these settings. `suffix`: fill in the middle between the prompt (text) and
         this suffix, with the repository's other `files` before them (see `encode_infill`). `sampling`:
         SamplingParams' options by name (None: unset; verispec.names.options declares them); they win over
         `generation_config` (a transformers GenerationConfig), which wins over greedy decoding and max_new_tokens
         MAX_NEW_TOKENS. `stop`: strings that end generation (the text is cut before them). `k`: this
-        generation's draft tokens per round (None: the pipeline's)."""
+        generation's draft tokens per round (None: the pipeline's). Structured output, one of: `json_schema` (a dict
+        or its JSON text; {"type": "object"} for any JSON object), `regex`, `choice` (the answer is one of these
+        strings), `grammar` (Lark as llguidance reads it, or llama.cpp's GBNF): every token is drawn from the
+        target's distribution masked by it (verispec.core.grammar)."""
         params, max_new = sampling_settings(generation_config, max_new_tokens=max_new_tokens, **sampling)
         if suffix is None and files:
             raise ValueError("files are the context of a fill-in-the-middle prompt: give a suffix too")
         ids = self.encode(prompt) if suffix is None else self.encode_infill(prompt, suffix, files)
-        return Request(prompt_ids=ids, params=params, max_new_tokens=max_new, num_draft_tokens=k, stop=stop)
+        constraint = Constraint.of(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
+        return Request(prompt_ids=ids, params=params, max_new_tokens=max_new, num_draft_tokens=k, stop=stop,
+                       constraint=constraint)
 
     def stream(self, prompt: Prompt | Request, *, streamer=None, **settings: Any) -> TextStream:
         """Generate, yielding text pieces as they are committed (see TextStream; `.pieces()` for provenance):

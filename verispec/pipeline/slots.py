@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from verispec.decoding.engine import Row, SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeGenerator
 from verispec.decoding.request import Committed, GenerationResult, Request
+from verispec.decoding.row import Row
 from verispec.pipeline.completion import Completion
 from verispec.pipeline.provenance import Piece, ProvenanceText
 

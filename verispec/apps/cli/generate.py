@@ -23,6 +23,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--chat", action="store_true", help="apply the chat template (the prompt is a user message)")
     g.add_argument("--system", help="system message (implies --chat) (default: none)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--json-schema", metavar="FILE", help="structured output: the answer is JSON valid under the JSON "
+                                                          "schema in FILE (default: free text)")
+    g.add_argument("--regex", help="structured output: the answer matches this regular expression (default: free "
+                                   "text)")
+    g.add_argument("--grammar", metavar="FILE",
+                   help="structured output: the answer follows the grammar in FILE (Lark as llguidance reads it, or "
+                        "llama.cpp's GBNF) (default: free text)")
     _add_generation_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -50,6 +57,25 @@ def _files(paths: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def _constraint(args):
+    """--json-schema, --regex or --grammar as the library's Constraint (None: free text); a file that cannot be read
+    or a schema that is not JSON is a usage error."""
+    from verispec.core.grammar import Constraint
+
+    texts = {}
+    for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    texts[flag] = f.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(f"{flag} {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    try:
+        return Constraint.of(json_schema=texts.get("--json-schema"), regex=args.regex, grammar=texts.get("--grammar"))
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("json_schema", "--json-schema")) from None
+
+
 def _prompt_ids(pipe, args) -> list[int]:
     """The prompt's ids: plain text, a chat user message (a system message implies the chat template), or the
     fill-in-the-middle prompt of --prompt and --suffix with --file's files."""
@@ -75,6 +101,7 @@ def cmd_generate(args) -> int:
     from verispec.decoding.request import Request
 
     params = _settings(args)
+    constraint = _constraint(args)
     pipe = _pipeline(args)
     prompt_ids = _prompt_ids(pipe, args)
     color = _color(args) and not args.json
@@ -83,7 +110,7 @@ def cmd_generate(args) -> int:
         print(LEGEND, file=sys.stderr, flush=True)
     try:
         stream = pipe.stream(Request(prompt_ids=prompt_ids, params=params, max_new_tokens=args.max_new_tokens,
-                                     stop=args.stop))
+                                     stop=args.stop, constraint=constraint))
         for piece in stream.pieces():
             if not args.json:
                 out.write(piece)

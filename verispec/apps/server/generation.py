@@ -109,6 +109,20 @@ def generation_request(req: SamplingFields, prompt_ids: list[int], state: Server
     k = 0 if req.drafter == "none" else req.num_draft_tokens
     if k is None:
         k = pipeline.k if state.speculative else 0
+    try:
+        constraint, _ = req.constraint()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "response_format") from None
     return Request(prompt_ids=prompt_ids, params=sampling_params(req, state), max_new_tokens=max_tokens,
                    num_draft_tokens=k, stop=req.stop_list(), stop_token_ids=stop_ids,
-                   ignore_eos=req.ignore_eos, logprobs=logprobs)
+                   ignore_eos=req.ignore_eos, logprobs=logprobs, constraint=constraint)
+
+
+def check_request(state: ServerState, request: Request, req: SamplingFields) -> None:
+    """What only the engine can check (a grammar compiles, min_tokens fits it): a 400 naming the field. Runs on the
+    tokenizing thread, so compiling a grammar stalls neither the event loop nor the decode loop."""
+    try:
+        state.pipeline.generator.resolve(request)
+    except ValueError as exc:
+        param = req.constraint()[1] if request.constraint is not None else None
+        raise APIError(400, str(exc), param) from None

@@ -13,6 +13,7 @@ from typing import Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from verispec.core.grammar import Constraint
 from verispec.names.drafters import DRAFTER_NAMES
 from verispec.names.options import Bounds, SamplingParams, option_defaults, option_types, sampling_options
 
@@ -46,15 +47,10 @@ UNSUPPORTED = {
     "tool_choice": lambda v: _default(v, "none"),
     "functions": lambda v: _default(v, []),
     "function_call": lambda v: _default(v, "none"),
-    "response_format": lambda v: _default(v, {"type": "text"}),
     "logit_bias": lambda v: _default(v, {}),
     "best_of": lambda v: _default(v, 1),
     "echo": lambda v: _default(v, False),
     "prompt_logprobs": lambda v: _default(v, 0),
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
 }
 
 
@@ -157,6 +153,28 @@ SamplingOptions = create_model("SamplingOptions", __config__=ConfigDict(extra="i
                                **_option_fields())
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON valid under a schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object ({name, schema, strict})")
+        return self
+
+
 class SamplingFields(SamplingOptions):
     """Fields shared by both endpoints: the sampling options (SamplingOptions), the length, stops, streaming
     and verispec's speculation settings. Unknown fields that change nothing are ignored, as OpenAI does."""
@@ -174,6 +192,32 @@ class SamplingFields(SamplingOptions):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     num_draft_tokens: int | None = Field(None, ge=0, le=K_REQUEST_MAX)
     drafter: Literal[DRAFTER_NAMES + ("none",)] | None = None
+    # structured output: OpenAI's response_format, or vLLM's guided_* (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+
+    def constraint(self) -> tuple[Constraint | None, str | None]:
+        """The structured output asked for and the field that asked (None, None: free text); ValueError: more than
+        one asked for, or a malformed one."""
+        fmt = self.response_format
+        asked = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                         "guided_grammar") if getattr(self, name) is not None}
+        if fmt is not None and fmt.type != "text":
+            asked["response_format"] = fmt
+        if len(asked) > 1:
+            raise ValueError(f"one kind of structured output at a time: got {', '.join(asked)}")
+        if not asked:
+            return None, None
+        (name, value), = asked.items()
+        if name == "response_format":
+            schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+            return (Constraint.json_object() if schema is None else Constraint.json_schema(schema)), name
+        kind = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                "guided_grammar": "grammar"}[name]
+        return getattr(Constraint, kind)(value), name
 
     def sampling(self) -> SamplingParams:
         """The request's sampling options as the library's SamplingParams (ValueError: a value it refuses)."""

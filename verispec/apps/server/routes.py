@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.apps.server import responses
-from verispec.apps.server.generation import chat_prompt, completion_prompt, generation_request
+from verispec.apps.server.generation import chat_prompt, check_request, completion_prompt, generation_request
 from verispec.apps.server.infill import InfillAnswer, InfillRequest, infill_prompt, infill_request
 from verispec.apps.server.infill import unsupported_field as infill_unsupported
 from verispec.apps.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
@@ -198,6 +198,8 @@ async def _complete(request: Request, model_cls, encode, chat: bool):
     req = parse_body(await request.body(), model_cls)
     prompt_ids = await tokenize(state, encode, state.pipeline.tokenizer, req)
     job = Job(generation_request(req, prompt_ids, state), asyncio.get_running_loop())
+    if job.request.constraint is not None:
+        await tokenize(state, check_request, state, job.request, req)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     answer = responses.OpenAIAnswer(Reply.new(req.model, chat), include_usage, state.pipeline.tokenizer)
     return await serve(request, job, state, answer, req.stream)
