@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -158,3 +159,45 @@ def test_infills_equal_plain_decoding(pipes, drafter):
         assert resent.token_ids == pipe.generate(typed, suffix=suffix, files=FILES, max_new_tokens=24, k=0).token_ids
     assert pipe.fim is not None and "return" in pipe.generate(CODE[:CODE.index("    return")], suffix="\n",
                                                                 max_new_tokens=8).text
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+          "required": ["name", "age", "languages"], "additionalProperties": False}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "model"])
+def test_structured_output_equals_plain_decoding_under_the_grammar(pipes, drafter):
+    """On the real default pair: a JSON schema's greedy answer and a required tool call are valid and token for token
+    plain decoding's under the same grammar (the draft model masking its q, the suffix drafter's drafts cut); the two
+    requests decoded side by side in one batch are each as alone."""
+    from verispec.pipeline.text import encode_messages
+    from verispec.pipeline.tools import ToolFormat, parse_calls
+
+    pipe = pipes[drafter]
+    person = pipe.request([{"role": "user", "content": "Ada Lovelace, 36, wrote in English and French. As JSON."}],
+                          max_new_tokens=80, json_schema=PERSON)
+    tools = ToolFormat.of(pipe.tokenizer)
+    ids = encode_messages(pipe.tokenizer, [{"role": "user", "content": "Is it raining in Lyon?"}], WEATHER)
+    call = Request(prompt_ids=ids, max_new_tokens=80, constraint=tools.constraint(WEATHER, parallel=False))
+    answers = []
+    for request in (person, call):
+        spec = pipe.generate(request)
+        plain = pipe.generate(replace(request, num_draft_tokens=0))
+        assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop", spec.text
+        answers.append(spec)
+    data = json.loads(answers[0].text)
+    assert set(data) == {"name", "age", "languages"} and "Ada" in data["name"] and answers[0].stats.accepted > 0
+    content, calls = parse_calls(answers[1].text)
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments)["unit"] in ("celsius", "fahrenheit")
+    slots = pipe.slots(4)
+    held = {slots.add(r): i for i, r in enumerate((person, call))}
+    while not all(s.done for s in held):
+        for slot, chunk in slots.step():
+            slot.push(chunk)
+    assert [s.result.token_ids for s in held] == [a.token_ids for a in answers]

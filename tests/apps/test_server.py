@@ -99,7 +99,7 @@ def test_error_cases(client, server):
         (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "5"}).encode(), 400),
         (json.dumps({"model": MODEL, "prompt": "x" * 700}).encode(), 400),
         (json.dumps({"model": MODEL, "prompt": "x" * 30000}).encode(), 413),
-        (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": "x", "n": 17}).encode(), 400),
         (json.dumps([1, 2]).encode(), 400),
         (json.dumps({"model": MODEL, "messages": []}).encode(), 400),
     ]
@@ -160,6 +160,81 @@ def test_structured_output(client, server):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None  # still up
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 8},
+                                               "unit": {"enum": ["C", "F"]}},
+                                               "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+             "required": ["zone"], "additionalProperties": False}}}]
+
+
+def _check_call(call):
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city", "unit"} and len(arguments["city"]) <= 8 and arguments["unit"] in "CF"
+    else:
+        assert call.function.name == "get_time" and set(arguments) == {"zone"} and -12 <= arguments["zone"] <= 14
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_tool_calls(client, server):
+    """tool_choice required and named: the calls parse and match their function's parameters (the grammar makes the
+    tiny model's random bytes into calls), in message.tool_calls with finish_reason tool_calls; streamed as
+    delta.tool_calls, the same calls as not streamed; with and without speculation alike. A conversation with calls
+    and tool results in its history renders; auto answers; a choice naming no given tool is a 400."""
+    messages = [{"role": "user", "content": "weather?"}]
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                           max_tokens=1000, temperature=1.0, seed=seed, parallel_tool_calls=seed > 0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls and choice.message.content is None
+        for call in choice.message.tool_calls:
+            _check_call(call)
+    named = dict(model=MODEL, messages=messages, tools=TOOLS, max_tokens=200, temperature=0,
+                 tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = client.chat.completions.create(**named).choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_time"
+    _check_call(calls[0])
+    plain = client.chat.completions.create(**named, extra_body={"drafter": "none"}).choices[0].message.tool_calls
+    assert plain[0].function.arguments == calls[0].function.arguments
+    streamed, finish = {}, None
+    for c in client.chat.completions.create(**named, stream=True):
+        if c.choices and c.choices[0].delta.tool_calls:
+            for d in c.choices[0].delta.tool_calls:
+                streamed.setdefault(d.index, {"name": "", "arguments": ""})
+                streamed[d.index]["name"] += d.function.name or ""
+                streamed[d.index]["arguments"] += d.function.arguments or ""
+        if c.choices and c.choices[0].finish_reason:
+            finish = c.choices[0].finish_reason
+    assert streamed == {0: {"name": "get_time", "arguments": calls[0].function.arguments}} and finish == "tool_calls"
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": calls[0].id, "type": "function", "function": {"name": "get_time", "arguments": '{"zone": 1}'}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "10:00"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS[1:], max_tokens=10, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for body, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
+                         "tool_choice"), ({"tool_choice": "required"}, None)):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, **body})
+        assert r.status_code == 400 and "tool" in r.json()["error"]["message"], r.text
+
+
+def test_logit_bias(client):
+    """A bias of 100 on one token makes every greedy token that one, with and without speculation; of two tokens
+    biased so, -100 on the one chosen first leaves the other."""
+    from tiny import byte_tokenizer
+
+    ids = byte_tokenizer()
+    kwargs = dict(model=MODEL, prompt="bias", max_tokens=6, temperature=0)
+    forced = client.completions.create(**kwargs, logit_bias={"70": 100}).choices[0].text
+    plain = client.completions.create(**kwargs, logit_bias={"70": 100}, extra_body={"drafter": "none"}).choices[0].text
+    assert forced == plain and ids(forced, add_special_tokens=False).input_ids == [70] * 6
+    two = {"70": 100, "71": 100}
+    first = ids(client.completions.create(**kwargs, logit_bias=two).choices[0].text).input_ids[0]
+    banned = client.completions.create(**kwargs, logit_bias=two | {str(first): -100}).choices[0].text
+    assert first in (70, 71) and ids(banned).input_ids[0] == 141 - first
 
 
 def test_penalties_logprobs_and_stop_token_ids(client, pair_dirs):
@@ -668,3 +743,24 @@ def test_fill_in_the_middle_needs_fim_tokens(server):
         r = httpx.post(server.url + path, json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "fim_not_supported", r.text
         assert "fill-in-the-middle" in r.json()["error"]["message"]
+
+
+def test_several_choices(client):
+    """n choices: seeded ones reproduce, differ from one another and each equals that seed alone (choice i is seed
+    + i); greedy ones are the same; streamed chunks name their choice and add up to the same texts; usage counts
+    every choice's tokens."""
+    kwargs = dict(model=MODEL, prompt="choose", max_tokens=12, temperature=1.0, seed=40)
+    r = client.completions.create(**kwargs, n=3)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert texts[1] == client.completions.create(**{**kwargs, "seed": 41}).choices[0].text
+    assert r.usage.completion_tokens == sum(
+        client.completions.create(**{**kwargs, "seed": 40 + i}).usage.completion_tokens for i in range(3))
+    streamed = ["", "", ""]
+    for c in client.completions.create(**kwargs, n=3, stream=True):
+        for choice in c.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    greedy = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                            max_tokens=8, temperature=0)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content

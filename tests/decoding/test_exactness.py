@@ -136,6 +136,14 @@ def test_min_p(pair):
     assert_marginals(histograms(make_engine(target, draft, k=2), params, seed0=10_000), exact)
 
 
+def test_logit_bias(pair):
+    """OpenAI's logit_bias on the target's p and the draft's q alike (q's changes only acceptance)."""
+    target, draft = pair
+    params = SamplingParams(temperature=1.0, logit_bias={2: 2.5, 5: -3.0, 6: 1.0})
+    exact = exact_marginals(hf_logits(target), PROMPT, params, STEPS, 8)
+    assert_marginals(histograms(make_engine(target, draft, k=2), params, seed0=90_000), exact)
+
+
 def test_repetition_penalty_under_sampling(pair):
     """Each verify row sees the context plus the drafts before it; plain decoding sees what it generated."""
     target, draft = pair

@@ -126,6 +126,13 @@ def half_forbidden(logits):
     return out
 
 
+class UnmaskedDraft(DraftModel):
+    """A draft model that does not mask its q by the grammar: half its draws forbidden, the residual's test."""
+
+    def start(self, slot, seq, params, generator, grammar=None):
+        super().start(slot, seq, params, generator, None)
+
+
 def _engine(target, drafter, k=2):
     return SpeculativeGenerator(HFModel(target), drafter, num_draft_tokens=k, auto_policy=CostAwareK(),
                                 grammars=GRAMMARS)
@@ -146,15 +153,20 @@ def test_masks_and_cuts():
     assert torch.isinf(logits[0, [5, 6, 7]]).all() and torch.isfinite(logits[0, :5]).all()
 
 
-def test_sampled_draft_marginals(pair):
-    """A sampled draft half of whose tokens the grammar forbids: they are verified (rejected) and the next token
-    comes from the residual, exactly."""
+@pytest.mark.parametrize("masked_q", [False, True])
+def test_sampled_draft_marginals(pair, masked_q):
+    """A sampled draft half of whose draws the grammar forbids (q unmasked: they are verified, rejected, and the next
+    token comes from the residual), or whose q the grammar masks (all of them allowed): exact either way."""
     target, draft = pair
     params = SamplingParams(temperature=1.0)
     exact = exact_marginals(masked_logits(hf_logits(target)), params)
     assert max(float(m[[5, 6, 7]].sum()) for m in exact) == 0.0  # the grammar's mask is in the reference
-    drafter = DraftModel(MappedLogits(HFModel(draft), half_forbidden), 8)
-    assert_marginals(histograms(_engine(target, drafter), params, seed0=60_000), exact)
+    drafter = (DraftModel if masked_q else UnmaskedDraft)(MappedLogits(HFModel(draft), half_forbidden), 8)
+    engine = _engine(target, drafter)
+    assert_marginals(histograms(engine, params, seed0=60_000), exact)
+    if masked_q:  # every draft allowed: q is all on 'a', which the target takes with p('a')
+        out = engine.generate(PROMPT, SamplingParams(temperature=1.0, seed=3), max_new_tokens=8, constraint=CONSTRAINT)
+        assert out.stats.drafted > 0 and 5 not in out.token_ids
 
 
 def test_one_hot_drafts_of_forbidden_tokens(pair):
@@ -175,7 +187,7 @@ def test_negative_control_sampled_draft_cut_before_its_forbidden_token(pair, mon
     monkeypatch.setattr(GrammarRow, "walk", lambda self, tokens, sampled: walk(self, tokens, False))
     params = SamplingParams(temperature=1.0)
     exact = exact_marginals(masked_logits(hf_logits(target)), params)
-    drafter = DraftModel(MappedLogits(HFModel(draft), half_forbidden), 8)
+    drafter = UnmaskedDraft(MappedLogits(HFModel(draft), half_forbidden), 8)
     counts = histograms(_engine(target, drafter), params, seed0=80_000, n=2000)
     worst = max(total_variation(counts[p], exact[p]) for p in range(STEPS))
     assert worst > 0.08 and min(chi2_pvalue(counts[p], exact[p], 1000) for p in range(STEPS)) < 1e-6, worst

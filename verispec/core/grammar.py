@@ -16,6 +16,7 @@ tokens (a key, punctuation), they are a draft of their own (`forced`), free and 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ MAX_CHOICES = 1024
 # keys the schema fixes are forced tokens (drafted free); flexible whitespace lets a small model wander into blanks
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+GBNF_ROOT = re.compile(r"^\s*root\s*::=", re.MULTILINE)  # llama.cpp's GBNF names its start rule root
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class Constraint:
     @staticmethod
     def grammar(text: str) -> Constraint:
         if not isinstance(text, str) or not text.strip():
-            raise ValueError("a grammar is a non-empty string (Lark, or GBNF with '::=')")
+            raise ValueError("a grammar is a non-empty string (Lark, or GBNF with a root rule)")
         return Constraint("grammar", _bounded(text, "grammar"))
 
     @staticmethod
@@ -106,7 +108,7 @@ class Constraint:
         if self.kind == "choice":
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in json.loads(self.spec)))
         if self.kind == "grammar":
-            text = gbnf_to_lark(self.spec) if "::=" in self.spec else self.spec
+            text = gbnf_to_lark(self.spec) if GBNF_ROOT.search(self.spec) else self.spec
             return LLMatcher.grammar_from_lark(text)
         raise ValueError(f"unknown constraint kind {self.kind!r}; one of {', '.join(KINDS)}")
 
@@ -198,6 +200,7 @@ class GrammarRow:
         self.matcher, self.vocab_size, self.end_ids = matcher, vocab_size, end_ids
         self.words = (vocab_size + 31) // 32
         self.ended = False
+        self._draft = 0  # tokens a draft model's steps consumed (see drafted)
 
     def _mask(self) -> np.ndarray:
         return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)[: self.words]
@@ -236,6 +239,24 @@ class GrammarRow:
         if consumed:
             self.matcher.rollback(consumed)
         return Walk(keep, np.stack(masks))
+
+    def draft_mask(self) -> np.ndarray:
+        """The mask after the tokens drafted so far (`drafted`): a draft model masks its q by it."""
+        return self._mask()[None].copy()  # its own buffer: the matcher's is read-only
+
+    def drafted(self, token: int) -> bool:
+        """A draft model drew `token` (its mask allowed it): the matcher goes past it until `end_draft`. False: the
+        draft goes no further (the output's end, or a token the grammar refuses)."""
+        if token in self.end_ids or not self.matcher.consume_token(token):
+            return False
+        self._draft += 1
+        return True
+
+    def end_draft(self) -> None:
+        """Back to the committed tokens' state."""
+        if self._draft:
+            self.matcher.rollback(self._draft)
+            self._draft = 0
 
     def commit(self, tokens: list[int]) -> None:
         """Advance past a round's committed tokens (each one its mask allowed), up to the grammar's end: a token

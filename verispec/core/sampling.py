@@ -4,7 +4,8 @@ Speculative decoding is lossless only if the target's distribution p and the dra
 are produced by the *same* processing, row by row, from each model's logits. Everything that turns
 logits into a distribution lives here, so plain decoding, the draft and the verifier cannot drift apart.
 
-Order of processing (as in Hugging Face's generation): repetition penalty over the context so far,
+Order of processing (as in Hugging Face's generation, after OpenAI's logit_bias, which vLLM too adds to the raw
+logits first): repetition penalty over the context so far,
 then temperature, top-k, top-p, min-p. Temperature 0 means greedy: the distribution is one-hot on the
 argmax of the penalised logits. Around the repetition penalty, as vLLM does: first min_tokens masks the
 stop ids (-inf) in rows for positions below it, after it the presence and frequency penalties subtract
@@ -83,6 +84,13 @@ def apply_count_penalties(logits: torch.Tensor, counts: torch.Tensor, presence_p
     return logits - penalty
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """OpenAI's logit_bias: each (id, value) adds value to the id's logit in every row (fp32 [n, V])."""
+    ids = device_tensor([token for token, _ in bias], logits.device)
+    values = device_tensor([value for _, value in bias], logits.device, torch.float32)
+    return logits.index_add(-1, ids, values.expand(logits.shape[0], -1))
+
+
 def mask_stop_ids(logits: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
     """-inf on params.stop_ids in the rows whose generated position (position + row) is below min_tokens."""
     rows = min(max(params.min_tokens - position, 0), logits.shape[0])
@@ -157,6 +165,8 @@ def process_logits(
     `counts`: the generated tokens' counts per row (presence/frequency penalties); `position`: the generated
     position of row 0 (min_tokens masks the stop ids in rows below it)."""
     logits = logits.float()
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, params.logit_bias)
     if params.masks_stops(position):
         logits = mask_stop_ids(logits, params, position)
     if params.penalised:

@@ -150,7 +150,7 @@ class SpeculativeGenerator:
         self.target.rollback(slot, keep)  # the cache keeps what the prompt shares with the slot's last sequence
         result.stats.cached_tokens = keep
         if self.drafter is not None:
-            self.drafter.start(slot, seq, resolved.params, row.generator)
+            self.drafter.start(slot, seq, resolved.params, row.generator, row.grammar)
         row.policy.start()
         self.active.append(row)
         return row

@@ -96,6 +96,8 @@ def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: froz
         raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise ValueError(f"a prompt token id is out of range for the vocabulary of {vocab_size}")
+    if any(token >= vocab_size for token, _ in request.params.logit_bias):
+        raise ValueError(f"a logit_bias token id is out of range for the vocabulary of {vocab_size}")
     if request.logprobs is not None and request.logprobs < 0:
         raise ValueError(f"logprobs must be >= 0, got {request.logprobs}")
     if request.min_indent < 0:
@@ -112,7 +114,7 @@ def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: froz
     if request.constraint is not None:
         if params.infilling:
             raise ValueError("the infill sampler cannot be combined with structured output")
-        if params.min_tokens:
+        if params.delays_stops:
             raise ValueError("min_tokens cannot be combined with structured output: the grammar says where it ends")
     max_new_tokens = min(request.max_new_tokens, max_length - len(prompt))
     return Resolved(prompt, params, max_new_tokens, k, stop_ids, request.logprobs, request.constraint)

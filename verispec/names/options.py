@@ -22,6 +22,7 @@ BENCH_MAX_NEW_TOKENS = 128  # `verispec bench`: every prompt of a set, each conf
 SERVER_MAX_TOKENS = 512  # `verispec serve`: OpenAI's API has no default for max_tokens; the server's own
 
 INT64 = 1 << 63
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range for a logit_bias value
 INFILL_TOP_K_MAX = 256  # the infill sampler reads a row's candidates on the host: top_k bounds them
 
 
@@ -117,6 +118,9 @@ class SamplingParams:
                                  f"likely ones (needs top_k 1-{INFILL_TOP_K_MAX}; no effect when greedy)",
                                   bounds=None, sampler="infill")
     stop_ids: tuple[int, ...] = ()  # the ids min_tokens masks (the engine adds its EOS and stop ids): not an option
+    # OpenAI's logit_bias: (id, value) pairs, each value (-100 to 100) added to its id's logit before any other
+    # processing, on the target's p and the draft's q alike; a mapping id -> value is taken too: not an option
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # what the infill sampler reads of the vocabulary (verispec.core.infill.TokenPieces), set when a request
     # resolves against a model: not an option
     vocabulary: Any = field(default=None, compare=False, repr=False)
@@ -126,6 +130,11 @@ class SamplingParams:
             value, bounds = getattr(self, name), f.metadata["option"].bounds
             if bounds is not None and not bounds.holds(value):
                 raise ValueError(f"{name} must be {bounds.text(isinstance(f.default, int))}, got {value}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        pairs = tuple(sorted((int(token), float(value)) for token, value in bias))
+        if any(token < 0 or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX for token, value in pairs):
+            raise ValueError(f"logit_bias maps token ids >= 0 to values from {-LOGIT_BIAS_MAX} to {LOGIT_BIAS_MAX}")
+        object.__setattr__(self, "logit_bias", pairs)
         if self.infill_sampler and not 1 <= self.top_k <= INFILL_TOP_K_MAX:
             raise ValueError(f"the infill sampler needs top_k between 1 and {INFILL_TOP_K_MAX}, got {self.top_k}")
 
@@ -141,6 +150,11 @@ class SamplingParams:
     def counted(self) -> bool:
         """Whether processing needs the generated tokens' counts (presence or frequency penalty)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def delays_stops(self) -> bool:
+        """Whether the stop ids are masked in some first positions (min_tokens)."""
+        return self.min_tokens > 0
 
     def masks_stops(self, position: int) -> bool:
         """Whether rows from generated position `position` on may still have their stop ids masked."""
@@ -223,7 +237,7 @@ def sampling_from(settings: Mapping[str, Any], generation_config=None) -> Sampli
     """SamplingParams from a transformers GenerationConfig (do_sample false or unset: greedy; otherwise its
     temperature, filters and repetition penalty) overlaid with `settings`' values that are not None, which win.
     An unknown name is a TypeError, a value out of range a ValueError."""
-    unknown = sorted(set(settings) - set(_fields()))
+    unknown = sorted(set(settings) - set(_fields()) - {"logit_bias"})
     if unknown:
         raise TypeError(f"unknown sampling option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} (known: "
                         f"{', '.join(_fields())})")

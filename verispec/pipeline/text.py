@@ -24,10 +24,12 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, system: str | None = None)
     return encode_messages(tokenizer, messages)
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The ids of chat messages through the tokenizer's chat template, the assistant's turn opened; `tools`: the
+    functions the assistant may call (OpenAI's {"type": "function", "function": {...}}), which the template renders."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: give a plain text prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from verispec.core.draft import Draft
+from verispec.core.grammar import GrammarRow
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 
@@ -27,8 +28,11 @@ DraftRow = tuple[int, TokenSequence, int, "int | None"]
 
 
 class Drafter(Protocol):
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
-        """Slot `slot` starts drafting for a new sequence (a cache may keep what it shares with the slot's last)."""
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+              grammar: GrammarRow | None = None) -> None:
+        """Slot `slot` starts drafting for a new sequence (a cache may keep what it shares with the slot's last).
+        `grammar`: a constrained sequence's matcher (verispec.core.grammar), which a drafter may mask its draws by
+        (exactness does not need it: the round masks p and walks every draft)."""
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         """The source the slot's next draft would come from ('none': no draft would be offered)."""

@@ -34,6 +34,7 @@ import torch
 from verispec.backends.base import Model, common_prefix_length
 from verispec.backends.vocab import VocabBridge
 from verispec.core.draft import Draft
+from verispec.core.grammar import GrammarRow
 from verispec.core.rows import penalty_state
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
@@ -247,7 +248,8 @@ class CrossVocabDraft:
 
     # -- the Drafter protocol ------------------------------------------------------------------------
 
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+              grammar: GrammarRow | None = None) -> None:
         """Keep the draft tokens spelling the text this sequence shares with the slot's last; the rest is encoded
         and fed lazily."""
         s = self._slots[slot]

@@ -12,6 +12,7 @@ import torch
 from verispec.backends.base import Model, common_prefix_length
 from verispec.backends.quant import PACKED_MAX_ROWS
 from verispec.core.draft import Draft
+from verispec.core.grammar import GrammarRow, apply_masks
 from verispec.core.rows import penalty_state, processed_rows
 from verispec.core.sampling import SamplingParams, count_rows, presence_rows, sample
 from verispec.core.sequence import TokenSequence
@@ -82,14 +83,18 @@ class DraftModel:
         self._held: list[tuple[TokenSequence | None, int]] = [(None, 0)] * slots  # (seq, its tokens in the cache)
         self._settings: list[tuple[SamplingParams, torch.Generator | None]] = [(SamplingParams(), None)] * slots
         self._base = [0] * slots  # len(seq) when the slot's last draft started
+        self._grammars: list[GrammarRow | None] = [None] * slots
 
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+              grammar: GrammarRow | None = None) -> None:
         """Keep the cached prefix this sequence shares with the slot's last, unless the sequence is seeded and
         sampled (it prefills the draft anew: a draft's kernels can compute a prompt's tail after a cached prefix a
         few bits apart from the whole prompt, and a seeded sequence's draws must not depend on what ran before it);
         the rest is fed lazily (catch_up or the first draft), so a generation that never drafts (a k policy found
-        it does not pay) never prefills the draft."""
+        it does not pay) never prefills the draft. A constrained sequence's q is masked by its `grammar` at every
+        step, so that its drafts are ones the grammar allows."""
         self._settings[slot] = (params, generator)
+        self._grammars[slot] = grammar
         held, n = self._held[slot]
         cached = held.ids[:n] if held is not None and not params.seeded_draws else []
         keep = min(common_prefix_length(cached, seq.ids), len(seq) - 1, self.model.lengths[slot])
@@ -132,7 +137,7 @@ class DraftModel:
             feeds[i] = seq.device_ids[self.model.lengths[slot] :]  # [1 or 2] committed tokens not yet seen
             self._base[slot] = len(seq)
             state[i] = (*penalty_state(seq, self._settings[slot][0], self.vocab_size), [], [])
-        step = 0
+        step, ended = 0, set()  # ended: rows whose grammar allows nothing after their last draft
         while live:
             logits = draft_step(self.model, [rows[i][0] for i in live], [feeds[i] for i in live])
             for i, row_logits in zip(live, logits):
@@ -140,8 +145,12 @@ class DraftModel:
                 params, generator = self._settings[slot]
                 presence, counts, tokens, probs = state[i]
                 position = seq.new_tokens + step  # the target's row for this draft sees the same
-                token, q = draft_token(align_vocab(row_logits, self.vocab_size), params, presence, counts, position,
-                                       generator)
+                row_logits, grammar = align_vocab(row_logits, self.vocab_size), self._grammars[slot]
+                if grammar is not None:
+                    row_logits = apply_masks(row_logits, grammar.draft_mask())
+                token, q = draft_token(row_logits, params, presence, counts, position, generator)
+                if grammar is not None and not grammar.drafted(int(token)):
+                    ended.add(i)
                 presence, counts = after_token(presence, counts, token)
                 tokens.append(token)
                 if q is not None:
@@ -149,7 +158,9 @@ class DraftModel:
                 state[i] = (presence, counts, tokens, probs)
                 feeds[i] = token
             step += 1
-            live = [i for i in live if rows[i][2] > step]
+            live = [i for i in live if rows[i][2] > step and i not in ended]
+        for grammar in {self._grammars[rows[i][0]] for i in state} - {None}:
+            grammar.end_draft()
         for i, (_, _, tokens, probs) in state.items():
             drafts[i] = Draft(torch.cat(tokens), torch.cat(probs) if probs else None, Source.MODEL, len(tokens))
         return drafts
@@ -163,7 +174,7 @@ class DraftModel:
 
     def swap(self, a: int, b: int) -> None:
         self.model.swap(a, b)
-        for state in (self._held, self._settings, self._base):
+        for state in (self._held, self._settings, self._base, self._grammars):
             state[a], state[b] = state[b], state[a]
 
     def release(self, slot: int) -> None:

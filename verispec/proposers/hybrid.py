@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from verispec.core.draft import Draft
+from verispec.core.grammar import GrammarRow
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 from verispec.names.drafters import Source
@@ -37,9 +38,10 @@ class HybridDrafter:
     def catch_up(self, slot: int, seq: TokenSequence, limit: int | None = None) -> int:
         return self.model.catch_up(slot, seq, limit) if self.source(slot, seq) == Source.MODEL else 0
 
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+              grammar: GrammarRow | None = None) -> None:
         self.lookup.start(slot, seq, params, generator)
-        self.model.start(slot, seq, params, generator)
+        self.model.start(slot, seq, params, generator, grammar)
         self._last[slot] = None
 
     def propose(self, rows: list[DraftRow]) -> list[Draft]:

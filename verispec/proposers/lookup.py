@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from verispec.core.draft import Draft
+from verispec.core.grammar import GrammarRow
 from verispec.core.sampling import SamplingParams
 from verispec.core.sequence import TokenSequence
 from verispec.proposers.base import DraftRow, Lookup
@@ -25,7 +26,8 @@ class LookupDrafter:
     def __init__(self, lookups: Sequence[Lookup]) -> None:
         self.lookups = list(lookups)
 
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+              grammar: GrammarRow | None = None) -> None:
         self.lookups[slot].start(seq, params, generator)
 
     def source(self, slot: int, seq: TokenSequence) -> str:

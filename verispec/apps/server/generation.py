@@ -12,6 +12,7 @@ from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
 from verispec.pipeline.fim import layout_of
 from verispec.pipeline.text import encode_messages
+from verispec.pipeline.tools import ToolFormat, history_message
 
 if TYPE_CHECKING:
     from verispec.apps.server.settings import ServerSettings
@@ -19,10 +20,18 @@ if TYPE_CHECKING:
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """The conversation through the model's chat template, with the tools it may call (a 400 where the template
+    renders none in a format verispec reads, verispec.pipeline.tools)."""
+    tools = req.offered_tools()
+    if tools and ToolFormat.of(tokenizer) is None:
+        raise APIError(400, "this model's chat template does not render tools in the <tool_call> format verispec "
+                            "reads (Qwen2.5, Qwen3, Hermes)", "tools")
     try:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        messages = [history_message({"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                                     "tool_calls": [c.model_dump() for c in m.tool_calls or []],
+                                     "tool_call_id": m.tool_call_id})
                     for m in req.messages]
-        return encode_messages(tokenizer, messages)
+        return encode_messages(tokenizer, messages, tools or None)
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from None
     except Exception as exc:  # a chat template that rejects this conversation (e.g. role order)
@@ -33,6 +42,8 @@ def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
     """The prompt's ids; with a (non-empty) suffix, the fill-in-the-middle prompt of the prompt and the suffix
     (verispec.pipeline.fim), a 400 for a model without FIM tokens."""
     if req.suffix:  # an empty suffix, OpenAI's default, asks for a plain completion
+        if req.n > 1:
+            raise APIError(400, "fill in the middle (suffix) takes one choice: n must be 1", "n")
         try:
             return layout_of(tokenizer).encode(tokenizer, req.prompt, req.suffix)
         except ValueError as exc:
@@ -78,7 +89,9 @@ def sampling_params(req: SamplingFields, state: ServerState) -> SamplingParams:
     try:
         params = req.sampling()
     except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), "logit_bias" if "logit_bias" in str(exc) else None) from None
+    if any(token >= state.vocab_size for token, _ in params.logit_bias):
+        raise APIError(400, f"a logit_bias token id is outside the vocabulary of {state.vocab_size}", "logit_bias")
     check_vocabulary(params, state, "infill_sampler")
     return params
 
@@ -113,6 +126,11 @@ def generation_request(req: SamplingFields, prompt_ids: list[int], state: Server
         constraint, _ = req.constraint()
     except ValueError as exc:
         raise APIError(400, str(exc), "response_format") from None
+    if isinstance(req, ChatCompletionRequest) and req.tool_mode() in ("required", "named"):
+        if constraint is not None:
+            raise APIError(400, "a required tool call cannot be combined with structured output", "tool_choice")
+        constraint = ToolFormat.of(pipeline.tokenizer).constraint(
+            req.called_tools(), parallel=req.parallel_tool_calls and req.tool_mode() == "required")
     return Request(prompt_ids=prompt_ids, params=sampling_params(req, state), max_new_tokens=max_tokens,
                    num_draft_tokens=k, stop=req.stop_list(), stop_token_ids=stop_ids,
                    ignore_eos=req.ignore_eos, logprobs=logprobs, constraint=constraint)
@@ -124,5 +142,5 @@ def check_request(state: ServerState, request: Request, req: SamplingFields) -> 
     try:
         state.pipeline.generator.resolve(request)
     except ValueError as exc:
-        param = req.constraint()[1] if request.constraint is not None else None
+        param = req.constraint()[1] or ("tools" if isinstance(req, ChatCompletionRequest) else None)
         raise APIError(400, str(exc), param) from None

@@ -21,6 +21,9 @@ K_REQUEST_MAX = 32  # the largest num_draft_tokens a request may ask for
 MAX_STOP_SEQUENCES = 32  # OpenAI takes 4; editors' plugins send a dozen or more (vLLM and llama.cpp take any)
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOOLS = 128
+MAX_CHOICES = 16  # n
+MAX_LOGIT_BIAS = 1024  # OpenAI takes 300 ids
 MAX_JSON_DEPTH = 32  # a request body nested deeper than this is refused before validation
 
 
@@ -43,11 +46,8 @@ def _default(value, *defaults) -> bool:
 
 # field -> is this value one that changes nothing (so it may be accepted and ignored)?
 UNSUPPORTED = {
-    "tools": lambda v: _default(v, []),
-    "tool_choice": lambda v: _default(v, "none"),
     "functions": lambda v: _default(v, []),
     "function_call": lambda v: _default(v, "none"),
-    "logit_bias": lambda v: _default(v, {}),
     "best_of": lambda v: _default(v, 1),
     "echo": lambda v: _default(v, False),
     "prompt_logprobs": lambda v: _default(v, 0),
@@ -119,10 +119,25 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str | dict = "{}"
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -185,7 +200,7 @@ class SamplingFields(SamplingOptions):
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="only n = 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: rows of one batch, choice i seeded seed + i")
     stream_options: StreamOptions | None = None
     # extensions (vLLM's names)
     ignore_eos: bool = False
@@ -198,6 +213,8 @@ class SamplingFields(SamplingOptions):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS,
+                                                description="token id -> a value from -100 to 100 added to its logit")
 
     def constraint(self) -> tuple[Constraint | None, str | None]:
         """The structured output asked for and the field that asked (None, None: free text); ValueError: more than
@@ -221,7 +238,12 @@ class SamplingFields(SamplingOptions):
 
     def sampling(self) -> SamplingParams:
         """The request's sampling options as the library's SamplingParams (ValueError: a value it refuses)."""
-        return SamplingParams(**{name: getattr(self, name) for name in sampling_options()})
+        bias = {}
+        for token, value in (self.logit_bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            bias[int(token)] = value
+        return SamplingParams(**{name: getattr(self, name) for name in sampling_options()}, logit_bias=bias)
 
     @field_validator("stop")
     @classmethod
@@ -260,10 +282,69 @@ class SamplingFields(SamplingOptions):
         raise NotImplementedError
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self):
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice asks for a call: give tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names '{choice.function.name}', which is not among the tools")
+        if self.tools and len({t.function.name for t in self.tools}) < len(self.tools):
+            raise ValueError("two tools have the same name")
+        return self
+
+    def tool_mode(self) -> str:
+        """none (no tools offered), auto (the model may call), required (it must) or named (it must call the one
+        tool_choice names)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def offered_tools(self) -> list[dict]:
+        """The tools as the chat template renders them (OpenAI's dicts), none where no call may be made."""
+        return [] if self.tool_mode() == "none" else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def called_tools(self) -> list[dict]:
+        """The tools a required call chooses among: all of them, or the one tool_choice names."""
+        tools = self.offered_tools()
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+        return tools
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from verispec.apps.server.protocol import error_body
 from verispec.pipeline.pipeline import Completion
 from verispec.pipeline.provenance import Piece
+from verispec.pipeline.tools import ToolCall, may_start_call, parse_calls
 
 DONE = "data: [DONE]\n\n"  # the event that ends every stream
 
@@ -141,6 +142,87 @@ class OpenAIAnswer:
 
     def body(self, text: str, result: Completion, n_prompt: int) -> dict:
         return completion_body(self.reply, text, result, n_prompt, self.tokenizer)
+
+
+class ToolCallAnswer(OpenAIAnswer):
+    """A chat answer where the model may call tools (verispec.pipeline.tools): its calls come back as
+    `message.tool_calls` with `finish_reason: "tool_calls"`, streamed as `delta.tool_calls` (one chunk per call, whole,
+    as OpenAI's SDK accumulates them); text that may begin a call is held back from the streamed content until it is
+    known not to."""
+
+    def __init__(self, reply: Reply, include_usage: bool, tokenizer: object) -> None:
+        super().__init__(reply, include_usage, tokenizer)
+        object.__setattr__(self, "_stream", {"text": "", "shown": 0})
+
+    def piece(self, piece: Piece) -> dict:
+        held = self._stream
+        held["text"] += piece.text
+        start = may_start_call(held["text"])
+        visible = held["text"] if start < 0 else held["text"][:start]
+        new, held["shown"] = visible[held["shown"]:], max(held["shown"], len(visible))
+        return chunk(self.reply, self.include_usage, replace(piece, text=new))
+
+    def closing(self, result: Completion, n_prompt: int) -> list[dict]:
+        content, calls = parse_calls(result.text)
+        bodies = []
+        if not calls:
+            rest = result.text[self._stream["shown"]:]
+            if rest:
+                bodies.append(chunk(self.reply, self.include_usage, Piece(rest, 0, 0)))
+            return bodies + super().closing(result, n_prompt)
+        for index, call in enumerate(calls):
+            delta = {"tool_calls": [{"index": index} | tool_call(call)]}
+            body = chunk(self.reply, self.include_usage)
+            body["choices"][0]["delta"] = delta
+            bodies.append(body)
+        last = final_chunk(self.reply, self.include_usage, result)
+        last["choices"][0]["finish_reason"] = _finish(result)
+        return bodies + [last] + ([usage_chunk(self.reply, n_prompt, result)] if self.include_usage else [])
+
+    def body(self, text: str, result: Completion, n_prompt: int) -> dict:
+        body = super().body(text, result, n_prompt)
+        content, calls = parse_calls(text)
+        if calls:
+            choice = body["choices"][0]
+            choice["message"] = {"role": "assistant", "content": content,
+                                 "tool_calls": [tool_call(call) for call in calls]}
+            choice["finish_reason"] = _finish(result)
+        return body
+
+
+def tool_call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish(result: Completion) -> str:
+    """A generation that ended on its own after calls ended to call them; one cut by max_tokens says so."""
+    return "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+
+
+def as_choice(body: dict, index: int) -> dict:
+    """A body of one choice (a chunk or a whole answer) as the choice `index` of several."""
+    for choice in body["choices"]:
+        choice["index"] = index
+    return body
+
+
+def merge_choices(bodies: list[dict]) -> dict:
+    """The whole answer of n choices from each choice's body: the choices in order, the usage added up (the prompt
+    once), the first choice's stats."""
+    merged = dict(bodies[0])
+    merged["choices"] = [as_choice(body, i)["choices"][0] for i, body in enumerate(bodies)]
+    prompt = bodies[0]["usage"]["prompt_tokens"]
+    completion = sum(body["usage"]["completion_tokens"] for body in bodies)
+    merged["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return merged
+
+
+def usage_of_choices(reply: Reply, n_prompt: int, results: list[Completion]) -> dict:
+    """The usage chunk of a stream of several choices: their tokens added up, the prompt once."""
+    n_new = sum(len(result.token_ids) for result in results)
+    return {"id": reply.id, "object": _chunk_object(reply), "created": reply.created, "model": reply.model,
+            "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                                     "total_tokens": n_prompt + n_new}}
 
 
 def error_event(message: str) -> str:

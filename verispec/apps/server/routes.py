@@ -9,6 +9,7 @@ streaming or not, a watcher cancels the job once the client goes away.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -98,11 +99,16 @@ async def wait(request: Request, worker: Worker, jobs: list[Job]) -> list[tuple[
                     return [event]
         return events
     finally:
-        watcher.cancel()
-        for task in waiting:
-            task.cancel()
-        for job in jobs:
-            worker.cancel(job)
+        _stop(watcher, waiting, worker, jobs)
+
+
+def _stop(watcher: asyncio.Task, readers, worker: Worker, jobs: list[Job]) -> None:
+    """A request's answer is over (or its client gone): stop watching it and reading its jobs, cancel what runs."""
+    watcher.cancel()
+    for task in readers:
+        task.cancel()
+    for job in jobs:
+        worker.cancel(job)
 
 
 class Answer(Protocol):
@@ -198,11 +204,82 @@ async def _complete(request: Request, model_cls, encode, chat: bool):
     req = parse_body(await request.body(), model_cls)
     prompt_ids = await tokenize(state, encode, state.pipeline.tokenizer, req)
     job = Job(generation_request(req, prompt_ids, state), asyncio.get_running_loop())
-    if job.request.constraint is not None:
+    if job.request.constraint is not None:  # compiled on the tokenizing thread: a 400 for a bad one
         await tokenize(state, check_request, state, job.request, req)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    answer = responses.OpenAIAnswer(Reply.new(req.model, chat), include_usage, state.pipeline.tokenizer)
-    return await serve(request, job, state, answer, req.stream)
+    kind = responses.ToolCallAnswer if chat and req.tool_mode() != "none" else responses.OpenAIAnswer
+    reply = Reply.new(req.model, chat)
+    if req.n == 1:
+        return await serve(request, job, state, kind(reply, include_usage, state.pipeline.tokenizer), req.stream)
+    return await serve_choices(request, job, req.n, state, lambda: kind(reply, include_usage, state.pipeline.tokenizer),
+                               req.stream)
+
+
+async def serve_choices(request: Request, job: Job, n: int, state: ServerState, make_answer, streamed: bool):
+    """n choices of one request: rows of the worker's batch, each drawing with its own seed (a given seed is
+    seed + i for choice i); greedy choices are one generation, copied (they are the same)."""
+    loop, params = asyncio.get_running_loop(), job.request.params
+    jobs = [job] if params.greedy else [Job(replace(job.request, params=params.nth(i)), loop) for i in range(n)]
+    answers = [make_answer() for _ in range(n)]
+    submit_all(state.worker, jobs)
+    if streamed:
+        return StreamingResponse(stream_choices(request, jobs, answers, state), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    bodies = await wait_bodies(request, jobs, state, answers[: len(jobs)])
+    if isinstance(bodies, Response):
+        return bodies
+    bodies += [answers[i].body(jobs[0].text, jobs[0].result, len(job.request.prompt_ids)) for i in range(len(jobs), n)]
+    return responses.merge_choices(bodies)
+
+
+async def stream_choices(request: Request, jobs: list[Job], answers: list, state: ServerState):
+    """The chunks of every choice, as their jobs produce them, each naming its choice's index; the usage chunk
+    (when asked for) adds the choices' tokens up."""
+    worker, metrics, n = state.worker, state.metrics, len(answers)
+    copies = n if len(jobs) == 1 else 1  # greedy: one job's chunks for every choice
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(i: int, job: Job) -> None:
+        while True:
+            event = await job.events.get()
+            await merged.put((i, event))
+            if event[0] != "delta":
+                return
+
+    metrics.in_progress.inc()
+    watcher = asyncio.create_task(watch_disconnect(request, worker, jobs))
+    readers = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+    results, n_prompt = [], len(jobs[0].request.prompt_ids)
+    try:
+        for i, answer in enumerate(answers):
+            for body in answer.opening():
+                yield responses.event(responses.as_choice(body, i))
+        running = len(jobs)
+        while running:
+            i, (kind, payload) = await merged.get()
+            targets = range(n) if copies > 1 else (i,)
+            if kind == "delta":
+                for c in targets:
+                    yield responses.event(responses.as_choice(answers[c].piece(payload), c))
+                continue
+            running -= 1
+            if kind == "cancelled":
+                return
+            if kind in ("error", "unavailable"):
+                yield responses.error_event(payload)
+                break
+            for c in targets:
+                results.append(payload)
+                for body in answers[c].closing(payload, n_prompt):
+                    if body["choices"]:  # the choices' usage comes once, after all of them
+                        yield responses.event(responses.as_choice(body, c))
+        else:
+            if answers[0].include_usage:
+                yield responses.event(responses.usage_of_choices(answers[0].reply, n_prompt, results))
+        yield responses.DONE
+    finally:
+        _stop(watcher, readers, worker, jobs)
+        metrics.in_progress.dec()
 
 
 async def infill(request: Request):
