@@ -109,6 +109,16 @@ class GrammarClock:
         return timed
 
 
+def fresh(pipe) -> None:
+    """Before a run: drop the caches (the other configuration's run of the same prompt must not leave its prefill)
+    and the suffix drafter's history of earlier answers (nor its answer to copy): each run is a first request."""
+    pipe.generator.reset()
+    drafter = pipe.generator.drafter
+    lookups = getattr(getattr(drafter, "lookup", drafter), "lookups", [])
+    for history in {id(h): h for h in (getattr(lookup, "history", None) for lookup in lookups) if h}.values():
+        history.clear()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=30, help="requests (a third of each kind)")
@@ -143,6 +153,7 @@ def main() -> int:
         answers = {}
         for c in orders[i % len(orders)]:
             name = list(configs)[c]
+            fresh(pipe)
             before = clock.seconds
             t0 = time.perf_counter()
             if "tools" in req:
@@ -198,8 +209,9 @@ def endpoint(args) -> int:
 
     records = []
     with httpx.Client(timeout=600) as client:
+        model = client.get(args.endpoint.rstrip("/") + "/models").json()["data"][0]["id"]
         for i, req in enumerate(requests(args.n)):
-            body = {"model": "any", "messages": req["messages"], "max_tokens": args.max_new_tokens, "temperature": 0}
+            body = {"model": model, "messages": req["messages"], "max_tokens": args.max_new_tokens, "temperature": 0}
             if "tools" in req:
                 body.update(tools=req["tools"], tool_choice="required", parallel_tool_calls=False)
             else:
