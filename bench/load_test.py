@@ -88,7 +88,7 @@ def _malformed(kind: str, path: str, body: dict) -> tuple[str, bytes, str]:
     elif kind == "text_plain":
         return path, json.dumps(body).encode(), "text/plain"
     elif kind == "unsupported_field":
-        body["logit_bias"] = {"5": 100}
+        body["best_of"] = 3
     else:  # context_exceeded: the tiny models' context is 4,096 tokens (one per byte)
         body.pop("messages", None)
         path, body["prompt"], body["max_tokens"] = "/v1/completions", "z" * 4000, 200

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from stats_util import chi2_pvalue, total_variation
-from test_exactness import PROMPT, STEPS, MappedLogits, N, assert_marginals, hf_logits
+from test_exactness import ALPHA, N, PROMPT, STEPS, MappedLogits, assert_marginals, hf_logits
 from tiny import perturbed, tiny_qwen2
 
 from verispec.backends import HFModel
@@ -67,23 +67,29 @@ def masked_logits(logits_fn):
     return fn
 
 
-def exact_marginals(logits_fn, params: SamplingParams) -> list[torch.Tensor]:
+def exact_marginals(logits_fn, params: SamplingParams, whole: bool = False):
+    """Each position's marginal under plain sampling, by enumeration; `whole`: also the distribution of the whole
+    generation of STEPS tokens ([8 ** STEPS], index t0 t1 t2 read base 8)."""
     seqs, weights, marginals = torch.tensor([PROMPT]), torch.ones(1, dtype=torch.float64), []
     for _ in range(STEPS):
         joint = weights[:, None] * probs_from_logits(logits_fn(seqs), params).double()
         marginals.append(joint.sum(0))
         seqs = torch.cat([seqs.repeat_interleave(8, 0), torch.arange(8).repeat(len(seqs))[:, None]], 1)
         weights = joint.reshape(-1)
-    return marginals
+    return (marginals, weights) if whole else marginals
 
 
-def histograms(engine, params, seed0, n=N):
+def histograms(engine, params, seed0, n=N, whole: torch.Tensor | None = None):
+    """counts [STEPS, 8] of each position's tokens over n seeded generations; `whole` [8 ** STEPS] counts the
+    generations themselves."""
     counts = torch.zeros(STEPS, 8, dtype=torch.long)
     for i in range(n):
         out = engine.generate(PROMPT, SamplingParams(**{**params.__dict__, "seed": seed0 + i}), max_new_tokens=STEPS,
                               constraint=CONSTRAINT)
         for pos, tok in enumerate(out.token_ids[:STEPS]):
             counts[pos, tok] += 1
+        if whole is not None:
+            whole[sum(t * 8 ** (STEPS - 1 - p) for p, t in enumerate(out.token_ids[:STEPS]))] += 1
     return counts
 
 
@@ -159,11 +165,13 @@ def test_sampled_draft_marginals(pair, masked_q):
     token comes from the residual), or whose q the grammar masks (all of them allowed): exact either way."""
     target, draft = pair
     params = SamplingParams(temperature=1.0)
-    exact = exact_marginals(masked_logits(hf_logits(target)), params)
+    exact, exact_whole = exact_marginals(masked_logits(hf_logits(target)), params, whole=True)
     assert max(float(m[[5, 6, 7]].sum()) for m in exact) == 0.0  # the grammar's mask is in the reference
     drafter = (DraftModel if masked_q else UnmaskedDraft)(MappedLogits(HFModel(draft), half_forbidden), 8)
     engine = _engine(target, drafter)
-    assert_marginals(histograms(engine, params, seed0=60_000), exact)
+    whole = torch.zeros(8**STEPS, dtype=torch.long)
+    assert_marginals(histograms(engine, params, seed0=60_000, whole=whole), exact)
+    assert chi2_pvalue(whole, exact_whole) > ALPHA  # the whole generations too, not only each position
     if masked_q:  # every draft allowed: q is all on 'a', which the target takes with p('a')
         out = engine.generate(PROMPT, SamplingParams(temperature=1.0, seed=3), max_new_tokens=8, constraint=CONSTRAINT)
         assert out.stats.drafted > 0 and 5 not in out.token_ids
@@ -177,6 +185,27 @@ def test_one_hot_drafts_of_forbidden_tokens(pair):
     params = SamplingParams(temperature=0.8, top_k=5)
     exact = exact_marginals(masked_logits(hf_logits(target)), params)
     assert_marginals(histograms(_engine(target, LookupDrafter([RandomDrafts()]), k=3), params, seed0=70_000), exact)
+
+
+def test_negative_control_q_reported_without_its_mask(pair, monkeypatch):
+    """A draft drawn from its masked q but reporting q without the mask (half on 'x' again) is accepted at the wrong
+    rate: the marginals must move, and the test must see it."""
+    from verispec.proposers import draft_model
+
+    target, draft = pair
+    draw = draft_model.draft_token
+
+    def unmasked_report(logits, params, presence, counts, position, generator):
+        token, q = draw(logits, params, presence, counts, position, generator)
+        return token, half_forbidden(logits).softmax(dim=-1)
+
+    monkeypatch.setattr(draft_model, "draft_token", unmasked_report)
+    params = SamplingParams(temperature=1.0)
+    exact = exact_marginals(masked_logits(hf_logits(target)), params)
+    counts = histograms(_engine(target, DraftModel(MappedLogits(HFModel(draft), half_forbidden), 8)), params,
+                        seed0=85_000, n=2000)
+    worst = max(total_variation(counts[p], exact[p]) for p in range(STEPS))
+    assert worst > 0.08 and min(chi2_pvalue(counts[p], exact[p], 1000) for p in range(STEPS)) < 1e-6, worst
 
 
 def test_negative_control_sampled_draft_cut_before_its_forbidden_token(pair, monkeypatch):
@@ -238,7 +267,7 @@ def test_bad_constraints_are_refused_with_a_reason(pair):
 
 
 def test_rows_of_different_grammars_share_a_batch_as_alone(pair):
-    """Four rows, three grammars and none, greedy and seeded, in one batch's rounds: each row's tokens are its tokens
+    """Five rows, four grammars and none, greedy and seeded, in one batch's rounds: each row's tokens are its tokens
     alone."""
     from test_batch import run_all
 
@@ -251,10 +280,11 @@ def test_rows_of_different_grammars_share_a_batch_as_alone(pair):
         return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), DraftModel(LeanBatch(LeanNet(draft), slots), 8),
                                     num_draft_tokens=3, grammars=GRAMMARS)
 
-    constraints = [CONSTRAINT, Constraint.choice(["ababab", "bab"]), Constraint.regex("[ab]*c"), None]
+    constraints = [CONSTRAINT, Constraint.choice(["ababab", "bab"]), Constraint.regex("[ab]*c"),
+                   Constraint.grammar('start: "ba" x "c"\nx: "a" | "b" x'), None]
     reqs = [dict(prompt_ids=PROMPT + [i], max_new_tokens=10, constraint=c,
                  params=SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams())
             for i, c in enumerate(constraints)]
     alone = [engine(1).generate(Request(**r)).token_ids for r in reqs]
-    assert [r.token_ids for r in run_all(engine(4), reqs)] == alone
+    assert [r.token_ids for r in run_all(engine(5), reqs)] == alone
     assert alone[1][-1] == EOS and b"".join(TOKENS[t] for t in alone[1][:-1]) in (b"ababab", b"bab")  # any spelling
