@@ -34,8 +34,12 @@ class Reply:
         return cls(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), model, chat)
 
 
-def usage(n_prompt: int, result: Completion) -> dict:
-    n_new = len(result.token_ids)
+def usage(n_prompt: int, *results: Completion) -> dict:
+    """OpenAI's usage of one prompt and the completions of its choices."""
+    return token_counts(n_prompt, sum(len(result.token_ids) for result in results))
+
+
+def token_counts(n_prompt: int, n_new: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
 
 
@@ -112,10 +116,11 @@ def final_chunk(reply: Reply, include_usage: bool, result: Completion) -> dict:
     return chunk(reply, include_usage, finish=result.finish_reason) | {"verispec": spec(result)}
 
 
-def usage_chunk(reply: Reply, n_prompt: int, result: Completion) -> dict:
-    """The chunk stream_options.include_usage asks for: no choices, the usage and the stats."""
+def usage_chunk(reply: Reply, n_prompt: int, *results: Completion) -> dict:
+    """The chunk stream_options.include_usage asks for: no choices, the usage of every choice's completion (`results`)
+    and the first one's stats."""
     return {"id": reply.id, "object": _chunk_object(reply), "created": reply.created, "model": reply.model,
-            "choices": [], "usage": usage(n_prompt, result), "verispec": spec(result)}
+            "choices": [], "usage": usage(n_prompt, *results), "verispec": spec(results[0])}
 
 
 @dataclass(frozen=True)
@@ -211,18 +216,9 @@ def merge_choices(bodies: list[dict]) -> dict:
     once), the first choice's stats."""
     merged = dict(bodies[0])
     merged["choices"] = [as_choice(body, i)["choices"][0] for i, body in enumerate(bodies)]
-    prompt = bodies[0]["usage"]["prompt_tokens"]
-    completion = sum(body["usage"]["completion_tokens"] for body in bodies)
-    merged["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    merged["usage"] = token_counts(bodies[0]["usage"]["prompt_tokens"],
+                                   sum(body["usage"]["completion_tokens"] for body in bodies))
     return merged
-
-
-def usage_of_choices(reply: Reply, n_prompt: int, results: list[Completion]) -> dict:
-    """The usage chunk of a stream of several choices: their tokens added up, the prompt once."""
-    n_new = sum(len(result.token_ids) for result in results)
-    return {"id": reply.id, "object": _chunk_object(reply), "created": reply.created, "model": reply.model,
-            "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
-                                     "total_tokens": n_prompt + n_new}}
 
 
 def error_event(message: str) -> str:

@@ -275,7 +275,7 @@ async def stream_choices(request: Request, jobs: list[Job], answers: list, state
                         yield responses.event(responses.as_choice(body, c))
         else:
             if answers[0].include_usage:
-                yield responses.event(responses.usage_of_choices(answers[0].reply, n_prompt, results))
+                yield responses.event(responses.usage_chunk(answers[0].reply, n_prompt, *results))
         yield responses.DONE
     finally:
         _stop(watcher, readers, worker, jobs)
