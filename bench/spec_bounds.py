@@ -107,8 +107,8 @@ def decode_texts(pipe, prompts, max_new: int, warm_history: bool, draft) -> list
         warm = encode_messages(tok, p.messages()[:-1]) if warm_history and p.history else []
         pipe.generator.reset()
         if warm:  # the conversation so far in the target's cache, as in a chat: only the new turn is prefilled
-            pipe.generator.generate(warm, SamplingParams(), max_new_tokens=1, num_draft_tokens=0)
-        result = pipe.generator.generate(ids, SamplingParams(), max_new_tokens=max_new, num_draft_tokens=0)
+            pipe.generator.generate(warm, SamplingParams(), max_new_tokens=1, k=0)
+        result = pipe.generator.generate(ids, SamplingParams(), max_new_tokens=max_new, k=0)
         budget = min(max_new, pipe.generator.target.max_length - len(ids))  # as the engine caps it
         cached = min(common_prefix_length(warm, ids), len(ids) - 1)  # what the engine kept of the warm cache
         text = Text(ids, result.token_ids, budget, cached, result.stats.prefill_seconds)

@@ -159,7 +159,7 @@ def main() -> int:
             if "tools" in req:
                 ids = encode_messages(pipe.tokenizer, req["messages"], req["tools"])
                 out = pipe.generate(Request(prompt_ids=ids, max_new_tokens=args.max_new_tokens,
-                                            num_draft_tokens=configs[name],
+                                            k=configs[name],
                                             constraint=tool_format.constraint(req["tools"], parallel=False)))
             else:
                 out = pipe.generate(req["messages"], json_schema=req["schema"], max_new_tokens=args.max_new_tokens,

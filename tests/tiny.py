@@ -49,7 +49,7 @@ def make_engine(target, draft=None, k: int = 4, eos=(), drafter: str = "model") 
     t = target if hasattr(target, "forward_rows") else HFModel(target)
     if draft is not None and not hasattr(draft, "forward_rows"):  # a transformers model, else a Model already
         draft = HFModel(draft)
-    return SpeculativeGenerator(t, drafter_for(drafter, draft, t.vocab_size), eos_token_ids=eos, num_draft_tokens=k,
+    return SpeculativeGenerator(t, drafter_for(drafter, draft, t.vocab_size), eos_token_ids=eos, k=k,
                                 auto_policy=CostAwareK())
 
 

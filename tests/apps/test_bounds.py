@@ -69,7 +69,7 @@ def engine_rounds(target, draft, drafter: str, k: int, budget: int, eos: tuple[i
     engine = make_engine(target, draft if drafter == "model" else None, k=k, eos=eos,
                          drafter="model" if lookup is None else lookup())
     recorder = engine.k_policy = Recorder(k)
-    outputs = [engine.generate(p, SamplingParams(), max_new_tokens=budget, num_draft_tokens="auto").token_ids
+    outputs = [engine.generate(p, SamplingParams(), max_new_tokens=budget, k="auto").token_ids
                for p in PROMPTS]
     return recorder.rounds, outputs
 
@@ -233,7 +233,7 @@ def test_a_replayed_policy_sees_the_engines_reports(pair, drafter, chunk):
     engine = make_engine(target, k=0, drafter=SuffixProposer() if drafter == "suffix" else "ngram")
     engine.prefill_chunk = chunk
     real = engine.k_policy = Reactive()
-    outputs = [engine.generate(p, SamplingParams(), max_new_tokens=40, num_draft_tokens="auto").token_ids
+    outputs = [engine.generate(p, SamplingParams(), max_new_tokens=40, k="auto").token_ids
                for p in prompts]
     assert outputs == [t.output for t in texts]
     simulated_rounds(texts, None, drafter)

@@ -187,7 +187,7 @@ def test_structured_output_equals_plain_decoding_under_the_grammar(pipes, drafte
     answers = []
     for request in (person, call):
         spec = pipe.generate(request)
-        plain = pipe.generate(replace(request, num_draft_tokens=0))
+        plain = pipe.generate(replace(request, k=0))
         assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop", spec.text
         answers.append(spec)
     data = json.loads(answers[0].text)

@@ -532,7 +532,7 @@ def test_a_job_submitted_as_the_worker_dies_is_refused_not_stranded(monkeypatch)
     monkeypatch.setattr(worker, "_stopping", False)
     loop = asyncio.new_event_loop()
     try:
-        job = Job(Request(prompt_ids=[1], max_new_tokens=4, num_draft_tokens=0), loop)
+        job = Job(Request(prompt_ids=[1], max_new_tokens=4, k=0), loop)
         with pytest.raises(ShuttingDown, match="stopped unexpectedly"):
             worker.submit(job)
         assert len(worker.jobs) == 0
@@ -764,3 +764,9 @@ def test_several_choices(client):
     greedy = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
                                             max_tokens=8, temperature=0)
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    long = dict(kwargs, prompt="a prompt the choices share, long enough to be computed once: " * 2)
+    shared = client.completions.create(**long, n=3)  # the first choice feeds it, the others copy its cache
+    assert [c.text for c in sorted(shared.choices, key=lambda c: c.index)] == [
+        client.completions.create(**{**long, "seed": 40 + i}).choices[0].text for i in range(3)]
+    again = client.completions.create(**long)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1

@@ -116,6 +116,25 @@ def test_rollback_then_decode_equals_fresh(llama, prompt):
     assert llama.length == 0
 
 
+def test_a_copied_prefix_decodes_as_its_source(llama, prompt):
+    """copy(src, dst, n): dst continues from src's first n positions bitwise as src does (its cells' keys and
+    values, read out and written into dst's own cells), whatever dst held before; src is untouched."""
+    model = llama.with_slots(3)
+    ids, tail = torch.tensor(prompt), torch.tensor(prompt[:5])
+    model.forward_rows([2], [ids[:7]])  # something to replace
+    model.forward_rows([0], [ids])
+    model.copy(0, 2, 20)
+    assert model.lengths == [len(prompt), 0, 20]
+    copied = model.forward_rows([2, 1], [ids[20:], tail])[0]
+    model.rollback(0, 20)
+    assert torch.equal(copied, model.forward_rows([0], [ids[20:]])[0])
+    model.copy(2, 1, len(prompt))
+    model.rollback(0, len(prompt))
+    assert torch.equal(model.forward_rows([1], [tail])[0], model.forward_rows([0], [tail])[0])
+    with pytest.raises(ValueError, match="holds"):
+        model.copy(1, 2, len(prompt) + 6)
+
+
 def test_batched_matches_single_token_decode(llama, prompt):
     """llama.cpp's batched evaluation (verification) against one token at a time (plain decoding): same
     argmax on every position; the logits may differ in the last bits (kernel choice by batch size)."""
@@ -187,7 +206,7 @@ def test_llama_target_greedy_identical(llama, llama_draft, hf_model, prompt, dra
     model_drafter = DraftModel(llama_draft if drafter == "llama" else HFModel(hf_model), llama.vocab_size)
     lookup = LookupDrafter([NgramProposer()])
     chosen = {"ngram": lookup, "hybrid": HybridDrafter(lookup, model_drafter)}.get(drafter, model_drafter)
-    spec = SpeculativeGenerator(llama, chosen, num_draft_tokens=k).generate(prompt, max_new_tokens=n)
+    spec = SpeculativeGenerator(llama, chosen, k=k).generate(prompt, max_new_tokens=n)
     assert plain.token_ids == reference
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted > 0
@@ -201,7 +220,7 @@ def test_llama_draft_hf_target_greedy_identical(llama_draft, hf_model, prompt, k
     target = HFModel(hf_model)
     plain = SpeculativeGenerator(target).generate(prompt, max_new_tokens=40)
     drafter = DraftModel(llama_draft, target.vocab_size)
-    spec = SpeculativeGenerator(target, drafter, num_draft_tokens=k).generate(prompt, max_new_tokens=40)
+    spec = SpeculativeGenerator(target, drafter, k=k).generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.acceptance_rate > 0.5
 
@@ -209,7 +228,7 @@ def test_llama_draft_hf_target_greedy_identical(llama_draft, hf_model, prompt, k
 def test_auto_k_on_llama(llama, llama_draft, prompt):
     drafter = DraftModel(llama_draft, llama.vocab_size)
     plain = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=40)
-    spec = SpeculativeGenerator(llama, drafter, num_draft_tokens="auto", auto_policy=CostAwareK())
+    spec = SpeculativeGenerator(llama, drafter, k="auto", auto_policy=CostAwareK())
     spec = spec.generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
 
@@ -259,7 +278,7 @@ def test_llama_target_marginals(llama, noisy_hf, prompt):
     marginals (N = 400 generations, V = 49,152 pooled by expected count; detects TV >= ~0.1;
     false-failure probability 3e-4)."""
     exact = _marginals(llama, prompt, PARAMS)
-    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
+    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), k=2)
     counts = _histograms(engine, prompt, PARAMS, n=N_GEN)
     assert 0.2 < engine_acceptance(engine, prompt) < 0.98  # both paths exercised
     for pos in range(3):
@@ -270,7 +289,7 @@ def test_llama_draft_marginals(llama_draft, noisy_hf, prompt):
     """Mixed: a llama.cpp draft for a (noisy) transformers target; tokens 1-3 follow the target's marginals."""
     target = HFModel(noisy_hf)
     exact = _marginals(target, prompt, PARAMS)
-    engine = SpeculativeGenerator(target, DraftModel(llama_draft, target.vocab_size), num_draft_tokens=2)
+    engine = SpeculativeGenerator(target, DraftModel(llama_draft, target.vocab_size), k=2)
     counts = _histograms(engine, prompt, PARAMS, n=N_GEN, seed0=50_000)
     for pos in range(3):
         assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
@@ -286,7 +305,7 @@ def test_llama_negative_control_fails(llama, noisy_hf, prompt, monkeypatch):
 
     exact = _marginals(llama, prompt, PARAMS)
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
-    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), num_draft_tokens=2)
+    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), k=2)
     counts = _histograms(engine, prompt, PARAMS, n=N_GEN // 2)
     assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN // 2) for pos in range(3)) < ALPHA
 
@@ -312,7 +331,7 @@ def _batch_engine(llama, noisy_hf, slots: int = 4) -> SpeculativeGenerator:
     from verispec.backends.lean import LeanBatch, LeanNet
 
     draft = DraftModel(LeanBatch(LeanNet(noisy_hf), slots), llama.vocab_size)
-    return SpeculativeGenerator(llama.with_slots(slots), draft, num_draft_tokens=2)
+    return SpeculativeGenerator(llama.with_slots(slots), draft, k=2)
 
 
 def test_llama_batch_marginals_per_row(llama, noisy_hf, prompt):

@@ -190,3 +190,26 @@ def test_a_zero_probability_draft_is_never_accepted_even_at_u_zero(monkeypatch):
     drafts = torch.zeros(10, 1, dtype=torch.long)  # token 0: q = 0.5, p = 0
     num_accepted, _ = rejection_sample(drafts, q, p, torch.Generator().manual_seed(0))
     assert int(num_accepted.sum()) == 0
+
+
+def test_greedy_rows_of_a_round_are_verified_together():
+    """verify_rows: greedy rows of drafts of different lengths (none too) in one call, a sampled row on its own
+    between them: each row's outcome is its own verification's. The target's argmax is token 0 everywhere past the
+    drafts, so a short draft padded with a token the argmax can equal would accept past its end."""
+    from verispec.core.draft import Draft
+    from verispec.core.rows import verify as verify_row
+    from verispec.core.rows import verify_rows
+    from verispec.core.sequence import TokenSequence
+
+    logits = torch.full((5, 6), -5.0)
+    logits[:, 0] = 5.0
+    logits[0, 3], logits[1, 4] = 9.0, 9.0  # argmax 3, 4, 0, 0, 0
+    drafts = [Draft(torch.tensor(t, dtype=torch.long), None, "ngram") for t in ([3, 4, 0, 0], [3], [], [3, 1], [3, 4])]
+    params = [SamplingParams(temperature=0.0)] * 5
+    params[3] = SamplingParams(temperature=1.0, seed=1)
+    rows = [logits[: d.tokens.numel() + 1] for d in drafts]
+    seqs = [TokenSequence([1, 2], 40, torch.device("cpu")) for _ in drafts]
+    got = verify_rows(seqs, drafts, rows, params, [torch.Generator().manual_seed(1) for _ in drafts])
+    alone = [verify_row(s, d, r, p, torch.Generator().manual_seed(1)) for s, d, r, p in zip(seqs, drafts, rows, params)]
+    assert [(int(n), int(t)) for n, t in got] == [(int(n), int(t)) for n, t in alone]
+    assert [(int(n), int(t)) for n, t in got][:3] == [(4, 0), (1, 4), (0, 3)]

@@ -39,7 +39,7 @@ def make_batch(target, draft, slots, k=4, eos=(EOS,), drafter="model") -> Specul
         drafter_ = DraftModel(LeanBatch(LeanNet(draft), slots), target.config.vocab_size)
     elif drafter == "ngram":
         drafter_ = LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1) for _ in range(slots)])
-    return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), drafter_, eos_token_ids=eos, num_draft_tokens=k,
+    return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), drafter_, eos_token_ids=eos, k=k,
                                 auto_policy=CostAwareK())
 
 
@@ -66,7 +66,7 @@ def requests(n, seed):
     """n requests of mixed prompt length, k and max_new_tokens."""
     rng = random.Random(seed)
     return [dict(prompt_ids=[rng.randrange(64) for _ in range(rng.randrange(2, 25))], max_new_tokens=rng.randrange(4, 30),
-                 num_draft_tokens=rng.choice([0, 1, 2, 3, 4, 6])) for _ in range(n)]
+                 k=rng.choice([0, 1, 2, 3, 4, 6])) for _ in range(n)]
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -238,7 +238,7 @@ def test_cancel_mid_batch_leaves_the_others_exact(pair):
     """Cancel the second of four sequences after two rounds (its slot is refilled by moving the last one):
     the other three finish exactly; the cancelled one keeps a prefix of its own output."""
     target, draft = pair
-    reqs = [dict(prompt_ids=[1, 2, 3, i], max_new_tokens=25, num_draft_tokens=2 + i % 3) for i in range(4)]
+    reqs = [dict(prompt_ids=[1, 2, 3, i], max_new_tokens=25, k=2 + i % 3) for i in range(4)]
     batch = make_batch(target, draft, 4, eos=())
     handles = [batch.add(Request(**req)) for req in reqs]
     batch.step()
@@ -263,22 +263,44 @@ def test_a_resent_request_finds_its_prefix_in_whichever_slot_kept_it(pair, draft
     target, draft = pair
     batch = make_batch(target, draft, 4, eos=())
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, i] for i in range(3)]
-    rows = [batch.add(Request(prompt_ids=p, max_new_tokens=40, num_draft_tokens=3)) for p in prompts]
+    rows = [batch.add(Request(prompt_ids=p, max_new_tokens=40, k=3)) for p in prompts]
     batch.step()
     batch.step()
     batch.cancel(rows[0])  # the first row leaves; the last one takes its slot
     assert rows[2].slot == 0 and len(batch.active) == 2
     resent = prompts[0] + rows[0].result.token_ids[:2] + [21, 22]
-    again = batch.add(Request(prompt_ids=resent, max_new_tokens=12, num_draft_tokens=3))
+    again = batch.add(Request(prompt_ids=resent, max_new_tokens=12, k=3))
     held = len(prompts[0]) + len(rows[0].result.token_ids) - 1  # a slot caches all but the last committed token
     assert again.result.stats.cached_tokens == min(held, len(prompts[0]) + 2) >= len(prompts[0])
-    fresh = batch.add(Request(prompt_ids=[30, 31, 32], max_new_tokens=12, num_draft_tokens=3))
+    fresh = batch.add(Request(prompt_ids=[30, 31, 32], max_new_tokens=12, k=3))
     assert fresh.result.stats.cached_tokens == 0
     while batch.active:
         batch.step()
     assert again.result.token_ids == plain_greedy(target, resent, 12, eos=())
     for row, prompt in zip(rows[1:], prompts[1:]):
         assert row.result.token_ids == plain_greedy(target, prompt, 40, eos=())
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_rows_of_one_prompt_compute_it_once(pair, chunk):
+    """n choices of one prompt (seeded, sampled) and a request of the same 36-token system prompt with its own
+    tail: the oldest row feeds the prompt (in parts when the chunk is small) while the others wait, then they
+    copy what its cache holds and feed only the rest; every row draws what it draws alone."""
+    target, draft = pair
+    system = [(5 * i + 3) % 64 for i in range(36)]
+    reqs = [dict(prompt_ids=system + [9, 9, 9], params=SamplingParams(temperature=1.0, seed=s), max_new_tokens=16,
+                 k=3) for s in range(3)]
+    reqs.append(dict(prompt_ids=system + [1, 2, 3, 4, 5, 6], max_new_tokens=16, k=2))
+    alone = [run_all(make_batch(target, draft, 1), [req])[0].token_ids for req in reqs]
+    batch = make_batch(target, draft, 4)
+    batch.prefill_chunk = chunk
+    passes = _record_target_passes(batch)
+    results = run_all(batch, reqs)
+    assert [r.token_ids for r in results] == alone
+    assert [r.stats.cached_tokens for r in results] == [0, 38, 38, 36]
+    fed = [size if k == 0 else size - k + 1 for sizes, keep in passes for size, k in zip(sizes, keep)]
+    assert sum(n for n in fed if n > 1) == 39 + 6  # the prompt once, the fourth row's own tail (the choices
+    # feed only their prompt's last token, as a decoding row feeds its last)
 
 
 def test_stops_and_logprobs_per_row(pair):
@@ -334,7 +356,7 @@ def test_bad_requests_and_a_full_batch(pair):
     with pytest.raises(ValueError, match="prompt is empty"):
         batch.add([])
     with pytest.raises(ValueError, match="k must be an integer >= 0"):
-        batch.add([1], num_draft_tokens=-1)
+        batch.add([1], k=-1)
     batch.add([1, 2])
     with pytest.raises(RuntimeError, match="batch is full"):
         batch.add([1, 2])
@@ -359,7 +381,7 @@ def _batch_histograms(target, draft, n, steps, seed0):
     batch = make_batch(target, draft, 3, k=2, eos=())
     for i in range(n):
         reqs = [dict(prompt_ids=p, params=SamplingParams(**{**params.__dict__, "seed": seed0 + 3 * i + r}),
-                     max_new_tokens=steps, num_draft_tokens=k)
+                     max_new_tokens=steps, k=k)
                 for r, (p, params, k) in enumerate(zip(ROW_PROMPTS, ROW_PARAMS, (2, 1, 3)))]
         for r, result in enumerate(run_all(batch, reqs)):
             for pos, tok in enumerate(result.token_ids):
@@ -399,7 +421,7 @@ def test_seed_reproduces_whatever_the_batch_mates(pair):
     (other prompts, settings and seeds), and when it joins a batch already running."""
     target, draft = pair
     mine = dict(prompt_ids=[2, 9, 4], params=SamplingParams(temperature=0.9, top_p=0.9, seed=123), max_new_tokens=24,
-                num_draft_tokens=3)
+                k=3)
     alone = run_all(make_batch(target, draft, 1), [mine])[0].token_ids
     mates = [dict(prompt_ids=[i, i + 1], params=SamplingParams(temperature=1.2, seed=i), max_new_tokens=10 + i)
              for i in range(3)]
@@ -447,7 +469,7 @@ def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
 
     def batch(slots):
         return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), DraftModel(LeanBatch(net, slots), 264),
-                                    eos_token_ids=(), num_draft_tokens=3)
+                                    eos_token_ids=(), k=3)
 
     mine = dict(prompt_ids=[5, 6, 7], params=SamplingParams(temperature=1.0, seed=9), max_new_tokens=24)
     alone = run_all(batch(1), [mine])[0].token_ids
@@ -467,10 +489,11 @@ def test_seed_reproduces_whatever_ran_before_in_the_slots():
     net = LeanNet(draft)
     quantize_model(net, "int4")
     engine = SpeculativeGenerator(LeanBatch(LeanNet(target), 4), DraftModel(LeanBatch(net, 4), 264),
-                                  eos_token_ids=(), num_draft_tokens=4)
+                                  eos_token_ids=(), k=4)
     reqs = [dict(prompt_ids=list(range(40, 100)), params=SamplingParams(temperature=1.0, seed=7 + i),
                  max_new_tokens=16) for i in range(3)]
     first = run_all(engine, reqs)
+    assert [r.stats.cached_tokens for r in first] == [0, 59, 59]  # one prompt, computed once
     again = run_all(engine, reqs)
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
     assert [r.stats.cached_tokens for r in again] == [59] * 3  # the target keeps its cached prefix

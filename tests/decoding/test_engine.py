@@ -109,7 +109,7 @@ def test_one_target_pass_per_round_prefill_included(pair, drafter):
     engine = make_engine(target, draft if drafter == "model" else None, k=3,
                          drafter=Silent() if drafter == "silent" else "model")
     if drafter == "silent":
-        engine.num_draft_tokens = "auto"
+        engine.k = "auto"
     engine.target = counting = _Counting(engine.target)
     result = engine.generate(prompt, max_new_tokens=12)
     assert result.token_ids == plain

@@ -112,7 +112,7 @@ def pair():
 
 
 def _engine(target, drafter, k=2):
-    return SpeculativeGenerator(target, drafter, num_draft_tokens=k, auto_policy=CostAwareK())
+    return SpeculativeGenerator(target, drafter, k=k, auto_policy=CostAwareK())
 
 
 # -- the loop's marginals under each sampling option and draft kind ---------------------------------------
@@ -206,7 +206,7 @@ def _generate(text_pair, k, stops=(), eos=(), max_new=40):
     letters = lambda logits: logits.masked_fill(~allowed, float("-inf"))
     drafter = DraftModel(MappedLogits(HFModel(copy.deepcopy(target)), letters), 264) if k else None
     engine = SpeculativeGenerator(MappedLogits(HFModel(target), letters), drafter, eos_token_ids=eos,
-                                  num_draft_tokens=k)
+                                  k=k)
     asm = TextAssembler(tok, stop=stops)
     out = engine.generate(tok("fn ").input_ids, max_new_tokens=max_new, stop=asm.stop_index if stops else None)
     asm.push(out.token_ids)

@@ -139,9 +139,12 @@ class UnmaskedDraft(DraftModel):
         super().start(slot, seq, params, generator, None)
 
 
-def _engine(target, drafter, k=2):
-    return SpeculativeGenerator(HFModel(target), drafter, num_draft_tokens=k, auto_policy=CostAwareK(),
-                                grammars=GRAMMARS)
+def _engine(target, drafter, k=2, during_pass=False):
+    """`during_pass`: the grammars walked while the pass runs, over whole drafts (as on CUDA)."""
+    engine = SpeculativeGenerator(HFModel(target), drafter, k=k, auto_policy=CostAwareK(),
+                                  grammars=GRAMMARS)
+    engine.walk_during_pass = during_pass
+    return engine
 
 
 def test_masks_and_cuts():
@@ -157,6 +160,23 @@ def test_masks_and_cuts():
     assert [t for t in range(8) if grammar_module.allowed(row.walk([], sampled=False).masks[0], t)] == [0, 1, 2, 3, 4]
     logits = apply_masks(torch.zeros(1, 8), row.walk([2], sampled=False).masks[:1])
     assert torch.isinf(logits[0, [5, 6, 7]]).all() and torch.isfinite(logits[0, :5]).all()
+
+
+def test_whole_drafts_walked_during_the_pass():
+    """Walked while the pass runs, a draft stays whole and its masks run to its end, each verified position's the
+    walk's own (the rows past the forbidden token repeat the last; past the output's end, anything)."""
+    from verispec.core.grammar import walk_drafts
+
+    row, draft = GRAMMARS.row(CONSTRAINT), Draft(torch.tensor([3, 3, 0, 5, 1, 1]), None, "ngram")  # abab a x b b
+    row.commit([0])
+    cut, cut_masks = walk_drafts([row, None], [draft, draft], [[3, 3, 0, 5, 1, 1], None])
+    whole, masks = walk_drafts([row, None], [draft, draft], [[3, 3, 0, 5, 1, 1], None], cut=False)
+    assert cut[0].tokens.tolist() == [3, 3, 0] and whole[0] is draft and whole[1] is draft and masks[1] is None
+    assert masks[0].shape == (7, 1) and (masks[0][:4] == cut_masks[0]).all() and (masks[0][4:] == cut_masks[0][3]).all()
+    assert [t for t in range(8) if grammar_module.allowed(masks[0][3], t)] == [0, 1, 2, 3, 4]  # c may end it there
+    choice = GRAMMARS.row(Constraint.choice(["ab"]))
+    _, ends = walk_drafts([choice], [Draft(torch.tensor([3, EOS, 5, 5]), None, "ngram")], [[3, EOS, 5, 5]], cut=False)
+    assert ends[0].shape == (5, 1) and all(grammar_module.allowed(m, t) for m in ends[0][2:] for t in range(8))
 
 
 @pytest.mark.parametrize("masked_q", [False, True])
@@ -177,14 +197,17 @@ def test_sampled_draft_marginals(pair, masked_q):
         assert out.stats.drafted > 0 and 5 not in out.token_ids
 
 
-def test_one_hot_drafts_of_forbidden_tokens(pair):
-    """Random one-hot drafts, most of them forbidden somewhere: cut, and the rest verified, exactly."""
+@pytest.mark.parametrize("during_pass", [False, True])
+def test_one_hot_drafts_of_forbidden_tokens(pair, during_pass):
+    """Random one-hot drafts, most of them forbidden somewhere: cut, and the rest verified, exactly; or, walked while
+    the pass runs, verified whole (each forbidden token rejected, what follows never read), exactly."""
     from verispec.proposers import LookupDrafter
 
     target, _ = pair
     params = SamplingParams(temperature=0.8, top_k=5)
     exact = exact_marginals(masked_logits(hf_logits(target)), params)
-    assert_marginals(histograms(_engine(target, LookupDrafter([RandomDrafts()]), k=3), params, seed0=70_000), exact)
+    engine = _engine(target, LookupDrafter([RandomDrafts()]), k=3, during_pass=during_pass)
+    assert_marginals(histograms(engine, params, seed0=70_000), exact)
 
 
 def test_negative_control_q_reported_without_its_mask(pair, monkeypatch):
@@ -222,14 +245,14 @@ def test_negative_control_sampled_draft_cut_before_its_forbidden_token(pair, mon
     assert worst > 0.08 and min(chi2_pvalue(counts[p], exact[p], 1000) for p in range(STEPS)) < 1e-6, worst
 
 
-@pytest.mark.parametrize("drafter", ["model", "random"])
-def test_greedy_equals_plain_under_the_grammar(pair, drafter):
+@pytest.mark.parametrize("drafter,during_pass", [("model", False), ("random", False), ("random", True)])
+def test_greedy_equals_plain_under_the_grammar(pair, drafter, during_pass):
     from verispec.proposers import LookupDrafter
 
     target, draft = pair
     plain = _engine(target, None, k=0).generate(PROMPT, max_new_tokens=8, constraint=CONSTRAINT)
     made = DraftModel(HFModel(draft), 8) if drafter == "model" else LookupDrafter([RandomDrafts()])
-    out = _engine(target, made, k=4).generate(PROMPT, max_new_tokens=8, constraint=CONSTRAINT)
+    out = _engine(target, made, k=4, during_pass=during_pass).generate(PROMPT, max_new_tokens=8, constraint=CONSTRAINT)
     assert out.token_ids == plain.token_ids
     text = b"".join(TOKENS[t] for t in out.token_ids if t != EOS).decode()
     assert out.token_ids[-1] == EOS and out.finish_reason == "length" or len(out.token_ids) == 8
@@ -261,7 +284,7 @@ def test_bad_constraints_are_refused_with_a_reason(pair):
             engine.generate(PROMPT, max_new_tokens=2, constraint=constraint)
     with pytest.raises(ValueError, match="min_tokens"):
         engine.generate(PROMPT, SamplingParams(min_tokens=2), max_new_tokens=4, constraint=CONSTRAINT)
-    plain = SpeculativeGenerator(HFModel(target), None, num_draft_tokens=0)
+    plain = SpeculativeGenerator(HFModel(target), None, k=0)
     with pytest.raises(ValueError, match="tokenizer"):
         plain.generate(PROMPT, max_new_tokens=2, constraint=CONSTRAINT)
 
@@ -278,7 +301,7 @@ def test_rows_of_different_grammars_share_a_batch_as_alone(pair):
 
     def engine(slots):
         return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), DraftModel(LeanBatch(LeanNet(draft), slots), 8),
-                                    num_draft_tokens=3, grammars=GRAMMARS)
+                                    k=3, grammars=GRAMMARS)
 
     constraints = [CONSTRAINT, Constraint.choice(["ababab", "bab"]), Constraint.regex("[ab]*c"),
                    Constraint.grammar('start: "ba" x "c"\nx: "a" | "b" x'), None]

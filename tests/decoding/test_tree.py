@@ -39,7 +39,7 @@ def lean(model) -> LeanBatch:
 
 def tree_engine(target, draft, k=8, eos=(EOS,), width=3, max_depth=4) -> SpeculativeGenerator:
     drafter = TreeDraftModel(lean(draft), target.config.vocab_size, width=width, max_depth=max_depth)
-    return SpeculativeGenerator(lean(target), drafter, eos_token_ids=eos, num_draft_tokens=k,
+    return SpeculativeGenerator(lean(target), drafter, eos_token_ids=eos, k=k,
                                 auto_policy=TreeBudget())
 
 

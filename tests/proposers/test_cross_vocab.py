@@ -45,7 +45,7 @@ def cross_engine(target, draft, target_tok, draft_tok, k=3, eos=(), slots=1, sam
     else:
         t, d = LeanBatch(LeanNet(target), slots), LeanBatch(LeanNet(draft), slots)
     bridge = VocabBridge(target_tok, draft_tok, t.vocab_size, d.vocab_size, CPU)
-    return SpeculativeGenerator(t, CrossVocabDraft(d, bridge, sampled), eos_token_ids=eos, num_draft_tokens=k,
+    return SpeculativeGenerator(t, CrossVocabDraft(d, bridge, sampled), eos_token_ids=eos, k=k,
                                 auto_policy=CostAwareK())
 
 

@@ -40,7 +40,7 @@ class Recording(SuffixProposer):
 def engine(target, proposer=None, k=4, eos=()) -> SpeculativeGenerator:
     """A one-slot engine drafting with `proposer` (None: plain decoding)."""
     drafter = None if proposer is None else LookupDrafter([proposer])
-    return SpeculativeGenerator(HFModel(target), drafter, eos_token_ids=eos, num_draft_tokens=k,
+    return SpeculativeGenerator(HFModel(target), drafter, eos_token_ids=eos, k=k,
                                 auto_policy=CostAwareK())
 
 

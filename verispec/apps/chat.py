@@ -57,13 +57,13 @@ class TurnStats:
 class ChatBot:
     """A conversation over a pipeline: `generate_response(message)` or `stream_response(message)` for each
     user turn; the history (and the system prompt, if any) is rendered with the chat template every turn.
-    `params`, `num_draft_tokens` (None: the pipeline's), `max_new_tokens` and `stop` apply to every turn;
+    `params`, `k` (None: the pipeline's), `max_new_tokens` and `stop` apply to every turn;
     `measure_plain` also times plain decoding of each reply, for the speedup."""
 
     pipeline: Pipeline
     system_prompt: str | None = None
     params: SamplingParams = SamplingParams()
-    num_draft_tokens: int | None = None
+    k: int | None = None
     max_new_tokens: int = MAX_NEW_TOKENS
     stop: tuple[str, ...] = ()
     measure_plain: bool = False
@@ -72,12 +72,12 @@ class ChatBot:
 
     @classmethod
     def from_models(cls, target: str | None = None, draft: str | None = None, device: str = "auto",
-                    dtype: str | None = None, num_draft_tokens: int | str = DEFAULT_K, **kwargs) -> "ChatBot":
+                    dtype: str | None = None, k: int | str = DEFAULT_K, **kwargs) -> "ChatBot":
         """A ChatBot over verispec.load(target, draft) (None, None: the default pair; dtype None: the device's
         fastest, see verispec.assembly.resolve.choose_dtype)."""
         from verispec.assembly.build import load
 
-        return cls(load(target, draft, device=device, dtype=dtype, k=num_draft_tokens), **kwargs)
+        return cls(load(target, draft, device=device, dtype=dtype, k=k), **kwargs)
 
     # -- conversation ----------------------------------------------------------------------------
 
@@ -110,7 +110,7 @@ class ChatBot:
         prompt = self.prompt_ids(user_message)
         stream = self.pipeline.stream(Request(prompt_ids=prompt, params=self.params,
                                               max_new_tokens=self.max_new_tokens,
-                                              num_draft_tokens=self.num_draft_tokens, stop=self.stop))
+                                              k=self.k, stop=self.stop))
         try:
             yield from stream.pieces()
         finally:
@@ -148,5 +148,5 @@ class ChatBot:
     def _plain_decode(self, prompt: list[int], n_tokens: int) -> tuple[float, int]:
         """Plain target decoding of the same prompt, at most as many tokens: (seconds, tokens)."""
         t0 = time.perf_counter()
-        result = self.pipeline.generator.generate(prompt, self.params, max_new_tokens=n_tokens, num_draft_tokens=0)
+        result = self.pipeline.generator.generate(prompt, self.params, max_new_tokens=n_tokens, k=0)
         return time.perf_counter() - t0, len(result.token_ids)

@@ -227,7 +227,7 @@ def build_pipeline(
     draft: str | None,
     device: str = "auto",
     dtype: str = "bf16",
-    num_draft_tokens: int | str = DEFAULT_K,
+    k: int | str = DEFAULT_K,
     drafter: str = "model",
     draft_quant: str = "auto",
     backend: str = "hf",
@@ -246,7 +246,7 @@ def build_pipeline(
     else:
         draft_spec = DraftSpec(drafter, draft, draft_backend or "auto", draft_quant, draft_vocab, draft_forward,
                                ctx_size)
-    return build(spec, draft_spec, num_draft_tokens)
+    return build(spec, draft_spec, k)
 
 
 

@@ -22,7 +22,8 @@ class Model(Protocol):
     (>= 1 token, 1-D long on `device`) to slot slots[b] for every row in one pass and returns each row's logits
     [logits_for[b], V], of its last logits_for[b] tokens (default all; last_only: the last one; 0: none, for a
     prompt fed in parts); `rollback(slot, n)` keeps a slot's first n positions; `swap(a, b)`: slots a and b
-    exchange their caches and lengths; `reset` forgets one slot, or all. `max_length` is the context of each
+    exchange their caches and lengths; `copy(src, dst, n)`: slot dst's cache becomes the first n positions of
+    src's (a prompt computed once for several sequences); `reset` forgets one slot, or all. `max_length` is the context of each
     slot."""
 
     device: torch.device
@@ -37,6 +38,8 @@ class Model(Protocol):
     def rollback(self, slot: int, length: int) -> None: ...
 
     def swap(self, a: int, b: int) -> None: ...
+
+    def copy(self, src: int, dst: int, length: int) -> None: ...
 
     def reset(self, slot: int | None = None) -> None: ...
 
@@ -54,6 +57,14 @@ class TreeModel(Model, Protocol):
                      visible: torch.Tensor, last_position: int) -> torch.Tensor: ...
 
     def compact(self, slot: int, base: int, rows: list[int]) -> None: ...
+
+
+def check_copy(model: Model, src: int, dst: int, length: int) -> None:
+    """ValueError unless `copy(src, dst, length)` names two distinct slots and src holds `length` positions."""
+    if src == dst or not (0 <= src < model.slots and 0 <= dst < model.slots):
+        raise ValueError(f"copy needs two distinct slots of the model's {model.slots}, got {src} -> {dst}")
+    if not 0 <= length <= model.lengths[src]:
+        raise ValueError(f"cannot copy {length} positions: slot {src} holds {model.lengths[src]}")
 
 
 def check_rows(model: Model, slots: list[int], feeds: list[torch.Tensor], last_only: bool,
@@ -101,6 +112,8 @@ class Sequence:
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case (a prompt and its own continuation), compared at C speed
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

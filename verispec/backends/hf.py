@@ -49,6 +49,9 @@ class HFModel:
         if a != b:
             raise ValueError("a transformers model holds one slot")
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        raise ValueError("a transformers model holds one slot: there is no other slot to copy")
+
     def reset(self, slot: int | None = None) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.lengths[0] = 0

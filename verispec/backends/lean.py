@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from verispec.backends.base import check_rows
+from verispec.backends.base import check_copy, check_rows
 from verispec.core.timing import device_tensor
 
 LEAN_TYPES = ("llama", "qwen2", "mistral")
@@ -341,6 +341,14 @@ class LeanBatch:
             cache[a, :, :held_b] = cache[b, :, :held_b]
             cache[b, :, :held_a] = kept
         self.lengths[a], self.lengths[b] = held_b, held_a
+
+    @torch.inference_mode()
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Slot dst's cache becomes the first `length` positions of src's (copied on the device)."""
+        check_copy(self, src, dst, length)
+        for cache in (*self.keys, *self.values):
+            cache[dst, :, :length] = cache[src, :, :length]
+        self.lengths[dst] = length
 
     def reset(self, slot: int | None = None) -> None:
         """Forget one slot's cache, or all."""

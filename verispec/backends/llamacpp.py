@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec.backends.base import check_rows
+from verispec.backends.base import check_copy, check_rows
 from verispec.backends.gguf import CONTEXT_STEP, available_memory, context_size, gguf_metadata, matmul_weight_types
 from verispec.names.errors import ModelError
 
@@ -338,6 +338,19 @@ class LlamaCppModel:
         in the order of their positions)."""
         self._seq[a], self._seq[b] = self._seq[b], self._seq[a]
         self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Slot dst's cache becomes the first `length` positions of src's: src's sequence state (its cells' keys
+        and values, bit for bit) read out and written into dst's cells, then rolled back to `length`."""
+        check_copy(self, src, dst, length)
+        size = int(self._lib.llama_state_seq_get_size(self._ctx, self._seq[src]))
+        data = (ctypes.c_uint8 * size)()
+        size = int(self._lib.llama_state_seq_get_data(self._ctx, data, size, self._seq[src]))
+        if not self._lib.llama_state_seq_set_data(self._ctx, data, size, self._seq[dst]):
+            self.lengths[dst] = 0
+            raise RuntimeError(f"llama.cpp could not copy slot {src}'s cache into slot {dst}")
+        self.lengths[dst] = self.lengths[src]
+        self.rollback(dst, length)
 
     def reset(self, slot: int | None = None) -> None:
         if slot is None:

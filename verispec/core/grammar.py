@@ -269,17 +269,22 @@ class GrammarRow:
                 raise RuntimeError(f"the grammar refused a committed token: {_first_line(self.matcher.get_error())}")
 
 
-def walk_drafts(grammars: list[GrammarRow | None], drafts: list[Draft]) -> tuple[list[Draft], list[np.ndarray | None]]:
-    """Each constrained row's draft walked through its grammar (None: the row has none): the draft it verifies (cut
-    as `GrammarRow.walk` says) and the masks of its verified positions; an unconstrained row's draft as it is, with
-    no mask. A constrained row's draft comes to the host here, for its grammar to read."""
+def walk_drafts(grammars: list[GrammarRow | None], drafts: list[Draft], tokens: list[list[int] | None],
+                cut: bool = True) -> tuple[list[Draft], list[np.ndarray | None]]:
+    """Each constrained row's draft (its `tokens` on the host) walked through its grammar (None: the row has none):
+    the draft it verifies and the masks of its verified positions; an unconstrained row's draft as it is, with no
+    mask. `cut`: as `GrammarRow.walk` says; else the drafts stay whole, for a pass already under way, and the masks
+    run to each draft's end (the rows past a forbidden token repeat the last: never read, its rejection ends the
+    round; past the output's end they allow anything: what follows a stop is dropped)."""
     out, masks = list(drafts), [None] * len(drafts)
-    for i, (grammar, draft) in enumerate(zip(grammars, drafts)):
+    for i, (grammar, draft, ids) in enumerate(zip(grammars, drafts, tokens)):
         if grammar is None:
             continue
-        walk = grammar.walk(draft.tokens.tolist(), sampled=draft.probs is not None)
+        walk = grammar.walk(ids, sampled=draft.probs is not None)
         masks[i] = walk.masks
-        if walk.keep < draft.tokens.numel():
+        if not cut:
+            masks[i] = np.concatenate([walk.masks, np.repeat(walk.masks[-1:], len(ids) + 1 - len(walk.masks), 0)])
+        elif walk.keep < len(ids):
             out[i] = replace(draft, tokens=draft.tokens[: walk.keep],
                              probs=None if draft.probs is None else draft.probs[: walk.keep])
     return out, masks

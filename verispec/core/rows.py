@@ -100,6 +100,25 @@ def verify(
     return rejection_sample(draft.tokens[None], None if draft.probs is None else draft.probs[None], rows[None], gen)
 
 
+def verify_rows(
+    seqs: list[TokenSequence], drafts: list[Draft], logits: list[torch.Tensor], params: list[SamplingParams],
+    gens: list[torch.Generator],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`verify` for every row of a round: each sampled row on its own (its own generator), the greedy rows in one
+    batched call (their drafts padded with -1, which no argmax equals, so none accepts past its own draft)."""
+    out = [None if p.greedy else verify(seq, draft, row_logits, p, gen)
+           for seq, draft, row_logits, p, gen in zip(seqs, drafts, logits, params, gens)]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        argmax = [target_rows(logits[i], drafts[i].tokens, params[i], seqs[i]) for i in greedy]
+        pad = torch.nn.utils.rnn.pad_sequence
+        n, nxt = greedy_verify(pad([drafts[i].tokens for i in greedy], batch_first=True, padding_value=-1),
+                               pad(argmax, batch_first=True))
+        for j, i in enumerate(greedy):
+            out[i] = (n[j : j + 1], nxt[j : j + 1])
+    return out
+
+
 def outcome(n: torch.Tensor, nxt: torch.Tensor, draft: Draft) -> torch.Tensor:
     """A verified row's outcome as one tensor for the round's one device -> host transfer: [accepted, the target's
     token, the drafts...] (`commit` takes it back on the host)."""

@@ -28,7 +28,9 @@ plain decoding, sampled rows follow the target's distribution (as far as the tar
 any pass: see verispec.backends). Requests join between rounds (`add`) and leave when they finish or are
 cancelled; the active rows keep the lowest slots (a leaving row's slot and the last row's swap their caches), so a
 padded cache is read as one view. A slot's cache outlives its request: a request is admitted into the free slot
-whose cache shares the longest prefix with its prompt, and keeps that prefix.
+whose cache shares the longest prefix with its prompt, and keeps that prefix. A prompt is computed once for the rows
+that share it (n choices of one prompt, requests of one system prompt): a row being prefilled copies the longest
+prefix of its prompt that another row's cache holds, and waits while an older row still feeds more of it.
 
 k: a fixed k is planned by `FixedK`; 'auto' by the engine's k policy (it learns across generations; the engine
 knows no concrete policy: verispec.assembly picks one per drafter), row by row when the round has one row, and all
@@ -48,15 +50,15 @@ from verispec.backends.base import Model, common_prefix_length
 from verispec.core.draft import Draft
 from verispec.core.grammar import Grammars, apply_masks, walk_drafts
 from verispec.core.infill import TokenPieces
-from verispec.core.rows import commit, outcome, verify
+from verispec.core.rows import commit, outcome, verify_rows
 from verispec.core.sampling import SamplingParams, generator_for
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import Clock, device_tensor, sync
-from verispec.core.tree import TokenTree
 from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView, SharedKPolicy
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.decoding.round import settle
-from verispec.decoding.row import Generation, Row
+from verispec.decoding.prefill import prefill_plan
+from verispec.decoding.row import Generation, Row, Turn
 from verispec.decoding.tree_round import tree_round
 from verispec.names.drafters import DRAFT_MODEL_SOURCES, Source
 from verispec.names.k import DEFAULT_K, check_k
@@ -78,7 +80,7 @@ class SpeculativeGenerator:
         target: Model,
         drafter: Drafter | None = None,
         eos_token_ids: Iterable[int] = (),
-        num_draft_tokens: int | str = DEFAULT_K,
+        k: int | str = DEFAULT_K,
         auto_policy: KPolicy | None = None,
         max_length: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
@@ -90,9 +92,9 @@ class SpeculativeGenerator:
         self.target = target
         self.drafter = drafter
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.num_draft_tokens = check_k(num_draft_tokens)
+        self.k = check_k(k)
         self.k_policy = auto_policy
-        if num_draft_tokens == "auto":
+        if k == "auto":
             self._check_auto()
         self.max_batch = target.slots
         self.max_length = min(target.max_length, max_length or target.max_length)  # the pair's context
@@ -100,6 +102,7 @@ class SpeculativeGenerator:
         self.vocabulary = vocabulary  # the token texts the infill sampler reads
         self.grammars = grammars  # compiles requests' constraints (None: the tokenizer cannot: no fast tokenizer)
         self.device = target.device
+        self.walk_during_pass = self.device.type == "cuda"  # grammars walked while the device computes the pass
         self.active: list[Row] = []  # active[i] holds slot i
         self._held: list[list[int]] = [[] for _ in range(self.max_batch)]  # a free slot's cached ids
         self._clock = Clock(self.device)  # times the round's stages on the device's timeline
@@ -117,7 +120,7 @@ class SpeculativeGenerator:
     def resolve(self, request: Request) -> Resolved:
         """Check a request against the pair (ValueError with a one-line reason) and resolve it."""
         resolved = resolve(request, max_length=self.max_length, vocab_size=self.target.vocab_size,
-                           eos_ids=self.eos_token_ids, default_k=self.num_draft_tokens, vocabulary=self.vocabulary)
+                           eos_ids=self.eos_token_ids, default_k=self.k, vocabulary=self.vocabulary)
         if resolved.k == "auto" and self.drafter is not None:
             self._check_auto()
         if resolved.constraint is not None:
@@ -206,69 +209,40 @@ class SpeculativeGenerator:
     # -- the round -----------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[Row, Committed]]:
-        """One round over every active request; returns each request's newly committed tokens (a request that
-        committed nothing, its round cut by a stop or its prompt still being fed, is absent). Finished requests
-        leave."""
+        """One round over every active request: plan, draft, score and verify, settle (the module's docstring).
+        Returns each request's newly committed tokens (a request that committed nothing, its round cut by a stop or
+        its prompt still being fed, is absent). Finished requests leave."""
         if not self.active:
             return []
         clock, start = self._clock, time.perf_counter()
-        ready, parts = self._prefill_plan()
-        plans, shared = self._plan(ready, parts)
-        catch_ups = [self._catch_up(row, plan) for row, plan in zip(ready, plans)]
+        ready, parts = prefill_plan(self.active, self.target, self.prefill_chunk)
+        turns, shared = self._plan(ready, parts)
         t1 = clock.mark()
-        proposed = self._drafts(ready, plans)
-        drafts, masks = walk_drafts([row.grammar for row in ready], proposed)
+        self._draft(turns)
         t2 = clock.mark()
-        fed = [len(row.seq) - self.target.lengths[row.slot] + draft.tokens.numel() for row, draft in zip(ready, drafts)]
-        if ready and drafts[0].tree is not None:  # a token tree: its own tree-masked pass (trees do not batch)
-            results = [self._verify_tree(ready[0], drafts[0].tree)]
-            t3 = clock.mark()
+        if turns and turns[0].asked.tree is not None:  # a token tree: its own tree-masked pass (trees do not batch)
+            self._verify_tree(turns[0])
         else:
-            logits = [row_logits if mask is None else apply_masks(row_logits, mask)
-                      for row_logits, mask in zip(self._score(ready, drafts, parts), masks)]
-            verified = [verify(row.seq, draft, row_logits, row.request.params, row.generator)
-                        for row, draft, row_logits in zip(ready, drafts, logits)]
-            t3 = clock.mark()
-            results = self._commit(ready, drafts, logits, verified)
-        if parts and not ready:  # no outcome synced the round: the parts' time is read after the device's
+            self._verify(turns, parts)
+        t3 = clock.mark()
+        if parts and not turns:  # no outcome synced the round: the parts' time is read after the device's
             sync(self.device)
         self._book_parts(parts, clock.seconds(t2, t3) if parts else 0.0)
-        out, shared_reports = [], []
-        for row, plan, asked, draft, (committed, accepted, path), (caught, t_catch), n in zip(
-                ready, plans, proposed, drafts, results, catch_ups, fed):
-            self.target.rollback(row.slot, len(row.seq) - 1)  # the cache keeps the committed tokens it has seen
-            if self.drafter is not None and plan.draft is None and plan.k > 0:
-                self.drafter.observe(row.slot, row.seq, asked.tokens.numel(), accepted)  # it rolls back its cache
-            if row.grammar is not None:
-                row.grammar.commit(committed)
-            report = RoundReport(
-                k=plan.k, source=draft.source if draft.tokens.numel() else "", drafted=draft.tokens.numel(),
-                accepted=accepted, fed=n, first=not row.prefilled, own_draft=plan.draft is not None,
-                draft_steps=draft.steps, draft_seconds=clock.seconds(t1, t2), verify_seconds=clock.seconds(t2, t3),
-                catchup_seconds=t_catch(), catchup_tokens=caught, seconds=time.perf_counter() - start,
-                tree=draft.tree, path=tuple(path))
-            if shared and row.policy is self.k_policy:
-                shared_reports.append(report)
-            else:
-                row.policy.observe(report)
-            self._prefill_done(row)
-            settled = settle(row.seq, committed, report, row.request, row.result, row.stop, row.logprobs, row.started)
-            if settled.cut:  # what follows the stop leaves the cache too
-                self.target.rollback(row.slot, min(self.target.lengths[row.slot], len(row.seq) - 1))
-            row.done = settled.done
-            if settled.chunk:
-                out.append((row, settled.chunk))
+        stages = dict(draft_seconds=clock.seconds(t1, t2), verify_seconds=clock.seconds(t2, t3))
+        reports = [self._settle(turn, stages, start, shared) for turn in turns]
         if shared:
-            prefill = bool(parts) or any(r.first for r in shared_reports)
-            self.k_policy.observe_shared(shared_reports, sum(fed) + sum(parts.values()), prefill)
-        for row in ready:
-            if row.done:
-                self._leave(row)
-        return out
+            mine = [report for turn, report in zip(turns, reports) if turn.row.policy is self.k_policy]
+            width = sum(turn.fed for turn in turns) + sum(parts.values())
+            self.k_policy.observe_shared(mine, width, bool(parts) or any(report.first for report in mine))
+        for turn in turns:
+            if turn.row.done:
+                self._leave(turn.row)
+        return [(turn.row, turn.chunk) for turn in turns if turn.chunk]
 
-    def _plan(self, rows: list[Row], parts: dict[Row, int]) -> tuple[list[Plan], bool]:
-        """Each verifying row's plan from its k policy, and whether the round is shared: several rows share its pass
-        and the rows with k = 'auto' are planned together (by a SharedKPolicy, for the pass's width)."""
+    def _plan(self, rows: list[Row], parts: dict[Row, int]) -> tuple[list[Turn], bool]:
+        """Each verifying row's turn, its plan from its k policy (its draft caught up where it will draft), and whether
+        the round is shared: several rows share its pass and the rows with k = 'auto' are planned together (by a
+        SharedKPolicy, for the pass's width)."""
         views = [self._view(row) for row in rows]
         shared = len(self.active) > 1 and isinstance(self.k_policy, SharedKPolicy)
         plans = [None if shared and row.policy is self.k_policy else row.policy.choose(view)
@@ -279,8 +253,11 @@ class SpeculativeGenerator:
                      + sum(plan.k for plan in plans if plan is not None))
             for i, plan in zip(auto, self.k_policy.choose_shared([views[i] for i in auto], width, len(rows))):
                 plans[i] = plan
-        return [plan if row.grammar is None or row.policy is PLAIN else self._constrained(row, view, plan)
-                for row, view, plan in zip(rows, views, plans)], shared
+        turns = [Turn(row, plan if row.grammar is None or row.policy is PLAIN else self._constrained(row, view, plan))
+                 for row, view, plan in zip(rows, views, plans)]
+        for turn in turns:
+            self._catch_up(turn)
+        return turns, shared
 
     def _constrained(self, row: Row, view: RoundView, plan: Plan) -> Plan:
         """A constrained row's plan: the tokens its grammar forces next, where there are any, as a free draft of
@@ -290,7 +267,6 @@ class SpeculativeGenerator:
         if forced:
             return Plan(len(forced), Draft(device_tensor(forced, self.device), None, Source.GRAMMAR))
         return Plan(0) if view.source == Source.TREE else plan
-
 
     def _view(self, row: Row) -> RoundView:
         """What the k policy sees before a row's round. A first round does not draft with a draft model (a chain
@@ -316,42 +292,70 @@ class SpeculativeGenerator:
         row.result.stats.prefill_seconds += seconds
         return seconds if fed else None
 
-    def _catch_up(self, row: Row, plan: Plan):
-        """Feed the draft the committed tokens it has not seen, when it is about to draft: (how many, a function
-        giving the seconds it took once the round has synced)."""
-        if self.drafter is None or plan.draft is not None or plan.k == 0 or not self.drafter.pending(row.slot, row.seq):
-            return 0, lambda: 0.0
+    def _catch_up(self, turn: Turn) -> None:
+        """Feed the draft the committed tokens it has not seen, when it is about to draft (the seconds it took are
+        read once the round has synced)."""
+        row = turn.row
+        if not turn.asks or not self.drafter.pending(row.slot, row.seq):
+            return
         a = self._clock.mark()
-        caught = self.drafter.catch_up(row.slot, row.seq)
+        turn.caught = self.drafter.catch_up(row.slot, row.seq)
         b = self._clock.mark()
-        return caught, lambda: self._clock.seconds(a, b)
+        turn.catchup_seconds = lambda: self._clock.seconds(a, b)
 
-    def _drafts(self, rows: list[Row], plans: list[Plan]) -> list[Draft]:
-        """Each row's draft: the policy's own, the drafter's (every drafting row in one call), or none."""
-        drafts = [plan.draft or no_draft(row.seq) for row, plan in zip(rows, plans)]
-        asks = [i for i, plan in enumerate(plans) if plan.draft is None and plan.k > 0]
-        if asks:
-            proposed = self.drafter.propose([(rows[i].slot, rows[i].seq, plans[i].k, plans[i].depth) for i in asks])
-            for i, draft in zip(asks, proposed):
-                drafts[i] = draft
-        return drafts
+    def _draft(self, turns: list[Turn]) -> None:
+        """Each turn's draft: the policy's own, the drafter's (every asking row in one call), or none."""
+        asking = [turn for turn in turns if turn.asks]
+        if asking:
+            proposed = self.drafter.propose([(t.row.slot, t.row.seq, t.plan.k, t.plan.depth) for t in asking])
+            for turn, draft in zip(asking, proposed):
+                turn.asked = draft
+        for turn in turns:
+            if turn.asked is None:
+                turn.asked = turn.plan.draft or no_draft(turn.row.seq)
+            turn.unseen = len(turn.row.seq) - self.target.lengths[turn.row.slot]
 
-    def _prefill_plan(self) -> tuple[list[Row], dict[Row, int]]:
-        """Which rows verify this round and which only feed part of their prompt (how many tokens): a row whose
-        unseen prompt fits in what is left of `prefill_chunk` (the oldest requests first) verifies along with its
-        prefill; the first that does not fit feeds what is left, and the rest wait."""
-        budget, parts, waiting = self.prefill_chunk, {}, set()
-        for row in sorted(self.active, key=lambda r: r.started):
-            unseen = len(row.seq) - self.target.lengths[row.slot]
-            if unseen <= 1:  # decoding: only its last committed token is new
-                continue
-            if unseen > budget:
-                if budget:
-                    parts[row] = budget
-                else:
-                    waiting.add(row)
-            budget -= min(budget, unseen)
-        return [row for row in self.active if row not in parts and row not in waiting], parts
+    def _verify(self, turns: list[Turn], parts: dict[Row, int]) -> None:
+        """Score every turn's draft in the round's one pass (beside the prompt parts), verify each row on its own,
+        bring every outcome to the host in one transfer (the round's one sync), and commit each row."""
+        rows = [turn.row for turn in turns]
+        drafts, logits = self._score_masked(rows, [turn.asked for turn in turns], parts)
+        verified = verify_rows([row.seq for row in rows], drafts, logits, [row.request.params for row in rows],
+                               [row.generator for row in rows])
+        if not turns:
+            return
+        host, at = torch.cat([outcome(n, nxt, draft) for (n, nxt), draft in zip(verified, drafts)]).tolist(), 0
+        for turn, draft, row_logits, (_, nxt) in zip(turns, drafts, logits, verified):
+            row, size = turn.row, 2 + draft.tokens.numel()
+            turn.draft = draft
+            turn.committed, turn.accepted = commit(row.seq, draft, host[at : at + size], nxt, row_logits,
+                                                   row.request.params, row.logprobs, row.request.top_logprobs or 0)
+            at += size
+
+    def _verify_tree(self, turn: Turn) -> None:
+        """Score, verify and commit a row's token tree in one tree-masked pass (verispec.decoding.tree_round)."""
+        row, turn.draft = turn.row, turn.asked
+        turn.committed, turn.accepted, turn.path = tree_round(
+            self.target, row.slot, row.seq, turn.draft.tree, row.request.params, row.generator, row.logprobs,
+            row.request.top_logprobs or 0)
+
+    def _score_masked(self, rows: list[Row], proposed: list[Draft], parts: dict[Row, int]
+                      ) -> tuple[list[Draft], list[torch.Tensor]]:
+        """The drafts verified and their logits from the round's pass (`_score`), each constrained row's masked by its
+        grammar along its draft. Where the device runs the pass on its own (`walk_during_pass`: CUDA) the host walks
+        the grammars while it computes, over whole drafts (a forbidden token is rejected all the same); elsewhere
+        the pass holds the host, and the walk comes first, cutting one-hot drafts before their first forbidden
+        token (a narrower pass)."""
+        grammars = [row.grammar for row in rows]
+        tokens = [None if g is None else d.tokens.tolist() for g, d in zip(grammars, proposed)]  # before the pass
+        if self.walk_during_pass:
+            scored = self._score(rows, proposed, parts)
+            drafts, masks = walk_drafts(grammars, proposed, tokens, cut=False)
+        else:
+            drafts, masks = walk_drafts(grammars, proposed, tokens)
+            scored = self._score(rows, drafts, parts)
+        return drafts, [row_logits if mask is None else apply_masks(row_logits, mask)
+                        for row_logits, mask in zip(scored, masks)]
 
     def _score(self, rows: list[Row], drafts: list[Draft], parts: dict[Row, int]) -> list[torch.Tensor]:
         """Every verifying row's target logits [k_b + 1, V] from ONE pass over each row's unseen committed tokens
@@ -373,26 +377,29 @@ class SpeculativeGenerator:
                 logits[i] = row_logits
         return logits
 
-    def _commit(self, rows: list[Row], drafts: list[Draft], logits: list[torch.Tensor],
-                verified: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list[int], int, list[int]]]:
-        """Every row's outcome to the host in one transfer (the round's one sync), then each row's commit:
-        (committed ids, accepted count, no tree path) per row."""
-        if not rows:
-            return []
-        host = torch.cat([outcome(n, nxt, draft) for (n, nxt), draft in zip(verified, drafts)]).tolist()
-        results, at = [], 0
-        for row, draft, row_logits, (_, nxt) in zip(rows, drafts, logits, verified):
-            size = 2 + draft.tokens.numel()
-            committed, accepted = commit(row.seq, draft, host[at : at + size], nxt, row_logits, row.request.params,
-                                         row.logprobs, row.request.top_logprobs or 0)
-            results.append((committed, accepted, []))
-            at += size
-        return results
-
-    def _verify_tree(self, row: Row, tree: TokenTree) -> tuple[list[int], int, list[int]]:
-        """Score, verify and commit a row's token tree in one tree-masked pass (verispec.decoding.tree_round)."""
-        return tree_round(self.target, row.slot, row.seq, tree, row.request.params, row.generator, row.logprobs,
-                          row.request.top_logprobs or 0)
+    def _settle(self, turn: Turn, stages: dict[str, float], start: float, shared: bool) -> RoundReport:
+        """After the pass: the row's caches back to its committed tokens, its grammar past them, its round reported
+        (to its k policy, unless the round's shared policy takes every report at once) and settled (stats, stops,
+        max_new_tokens: verispec.decoding.round)."""
+        row, plan, draft = turn.row, turn.plan, turn.draft
+        self.target.rollback(row.slot, len(row.seq) - 1)  # the cache keeps the committed tokens it has seen
+        if turn.asks:
+            self.drafter.observe(row.slot, row.seq, turn.asked.tokens.numel(), turn.accepted)  # it rolls back too
+        if row.grammar is not None:
+            row.grammar.commit(turn.committed)
+        report = RoundReport(
+            k=plan.k, source=draft.source if draft.tokens.numel() else "", drafted=draft.tokens.numel(),
+            accepted=turn.accepted, fed=turn.fed, first=not row.prefilled, own_draft=plan.draft is not None,
+            draft_steps=draft.steps, catchup_seconds=turn.catchup_seconds(), catchup_tokens=turn.caught,
+            seconds=time.perf_counter() - start, tree=draft.tree, path=tuple(turn.path), **stages)
+        if not (shared and row.policy is self.k_policy):
+            row.policy.observe(report)
+        self._prefill_done(row)
+        settled = settle(row.seq, turn.committed, report, row.request, row.result, row.stop, row.logprobs, row.started)
+        if settled.cut:  # what follows the stop leaves the cache too
+            self.target.rollback(row.slot, min(self.target.lengths[row.slot], len(row.seq) - 1))
+        row.done, turn.chunk = settled.done, settled.chunk
+        return report
 
     def _book_parts(self, parts: dict[Row, int], seconds: float) -> None:
         """A part of each of these rows' prompts went into the round's pass."""

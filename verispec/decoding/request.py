@@ -27,7 +27,7 @@ StopFn = Callable[[list[int]], "int | None"]
 
 @dataclass(frozen=True, kw_only=True)
 class Request:
-    """One generation. `num_draft_tokens`: this generation's k (None: the generator's); `stop`: text stop
+    """One generation. `k`: its draft length (None: the generator's); `stop`: text stop
     strings (the text layer applies them, and its two line rules for code completion: `min_indent` > 0, a line
     after the first indented less ends generation before its first character; `newline_after` seconds after the
     first token, the next newline ends it, kept); `stop_token_ids` end generation like EOS does; `ignore_eos`:
@@ -38,7 +38,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     max_new_tokens: int = MAX_NEW_TOKENS
-    num_draft_tokens: int | str | None = None
+    k: int | str | None = None
     stop: tuple[str, ...] = ()
     min_indent: int = 0
     newline_after: float | None = None
@@ -104,7 +104,7 @@ def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: froz
         raise ValueError(f"min_indent must be >= 0, got {request.min_indent}")
     if request.newline_after is not None and not 0 <= request.newline_after < float("inf"):
         raise ValueError(f"newline_after must be a finite number of seconds >= 0, got {request.newline_after}")
-    k = default_k if request.num_draft_tokens is None else check_k(request.num_draft_tokens)
+    k = default_k if request.k is None else check_k(request.k)
     stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else eos_ids)
     params = request.params.masking(stop_ids)  # min_tokens masks every id that would end generation here
     if params.infilling:

@@ -211,7 +211,7 @@ class Pipeline:
     @property
     def k(self) -> int | str:
         """Draft tokens per round: an integer (0: plain decoding) or 'auto'."""
-        return self.generator.num_draft_tokens
+        return self.generator.k
 
     def setup(self) -> dict[str, object]:
         """What runs and why, for front ends to show: backend, drafter, k, dtype, the reason, the llama.cpp
@@ -290,7 +290,7 @@ class Pipeline:
             raise ValueError("files are the context of a fill-in-the-middle prompt: give a suffix too")
         ids = self.encode(prompt) if suffix is None else self.encode_infill(prompt, suffix, files)
         constraint = Constraint.of(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
-        return Request(prompt_ids=ids, params=params, max_new_tokens=max_new, num_draft_tokens=k, stop=stop,
+        return Request(prompt_ids=ids, params=params, max_new_tokens=max_new, k=k, stop=stop,
                        constraint=constraint)
 
     def stream(self, prompt: Prompt | Request, *, streamer=None, **settings: Any) -> TextStream:

@@ -212,8 +212,8 @@ def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new:
                 warm: list[int] | None = None, text: bool = True) -> dict:
     pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
     if warm is not None:  # the earlier turn answered first, untimed: its caches and drafter state, as in a chat
-        pipe.generator.generate(warm, params, max_new_tokens=max_new, num_draft_tokens=k)
-    stream = pipe.stream(Request(prompt_ids=ids, params=params, max_new_tokens=max_new, num_draft_tokens=k))
+        pipe.generator.generate(warm, params, max_new_tokens=max_new, k=k)
+    stream = pipe.stream(Request(prompt_ids=ids, params=params, max_new_tokens=max_new, k=k))
     first_tokens, timeline, start = 0, [], time.perf_counter()
     for committed, _ in stream.rounds(text=text):  # a round commits one token or several
         first_tokens = first_tokens or len(committed)

@@ -132,7 +132,7 @@ def generation_request(req: SamplingFields, prompt_ids: list[int], state: Server
         constraint = ToolFormat.of(pipeline.tokenizer).constraint(
             req.called_tools(), parallel=req.parallel_tool_calls and req.tool_mode() == "required")
     return Request(prompt_ids=prompt_ids, params=sampling_params(req, state), max_new_tokens=max_tokens,
-                   num_draft_tokens=k, stop=req.stop_list(), stop_token_ids=stop_ids,
+                   k=k, stop=req.stop_list(), stop_token_ids=stop_ids,
                    ignore_eos=req.ignore_eos, logprobs=logprobs, constraint=constraint)
 
 

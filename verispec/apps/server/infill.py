@@ -154,7 +154,7 @@ def infill_request(req: InfillRequest, prompt_ids: list[int], state: ServerState
     if req.stream and req.completions > 1:
         raise APIError(400, "n_cmpl > 1 is not supported when streaming", "n_cmpl")
     return Request(prompt_ids=prompt_ids, params=params, max_new_tokens=max_tokens,
-                   num_draft_tokens=state.pipeline.k if state.speculative else 0, stop=tuple(req.stop),
+                   k=state.pipeline.k if state.speculative else 0, stop=tuple(req.stop),
                    min_indent=req.n_indent, newline_after=newline_after, ignore_eos=req.ignore_eos)
 
 

@@ -35,8 +35,10 @@ class Reply:
 
 
 def usage(n_prompt: int, *results: Completion) -> dict:
-    """OpenAI's usage of one prompt and the completions of its choices."""
-    return token_counts(n_prompt, sum(len(result.token_ids) for result in results))
+    """OpenAI's usage of one prompt and the completions of its choices; of the prompt's tokens, those the first
+    choice found in the cache (a common prefix kept from an earlier request, or another choice's prefill)."""
+    return {**token_counts(n_prompt, sum(len(result.token_ids) for result in results)),
+            "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_tokens}}
 
 
 def token_counts(n_prompt: int, n_new: int) -> dict:
@@ -216,8 +218,8 @@ def merge_choices(bodies: list[dict]) -> dict:
     once), the first choice's stats."""
     merged = dict(bodies[0])
     merged["choices"] = [as_choice(body, i)["choices"][0] for i, body in enumerate(bodies)]
-    merged["usage"] = token_counts(bodies[0]["usage"]["prompt_tokens"],
-                                   sum(body["usage"]["completion_tokens"] for body in bodies))
+    merged["usage"] = {**bodies[0]["usage"], **token_counts(bodies[0]["usage"]["prompt_tokens"],
+                                                            sum(body["usage"]["completion_tokens"] for body in bodies))}
     return merged
 
 
