@@ -1,2 +1,2 @@
-"""Layer 5: the decoding loops: one sequence (engine), many (batch), the statistics they keep, and the k
-policies that choose each round's draft length."""
+"""Layer 5: the decoding loop: the engine's round over every sequence at once (one, or a batch), the prompts it
+feeds and shares, the statistics it keeps, and the k policies that choose each round's draft length."""
