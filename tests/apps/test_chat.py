@@ -9,7 +9,7 @@ import pytest
 from tiny import save_tiny_pair
 
 from verispec.apps.chat import ChatBot
-from verispec.assembly.build import build_pipeline
+from verispec.assembly.build import load
 from verispec.catalog import cache_root, installed
 from verispec.pipeline.text import encode_messages
 
@@ -21,13 +21,13 @@ def pair_dirs(tmp_path_factory):
 
 def _bot(pair_dirs, **kwargs) -> ChatBot:
     target, draft = pair_dirs
-    return ChatBot(build_pipeline(target, draft, "cpu", "fp32", 3), max_new_tokens=40, **kwargs)
+    return ChatBot(load(target, draft, drafter="model", k=3, device="cpu", dtype="fp32", backend="hf"), max_new_tokens=40, **kwargs)
 
 
 def _fresh_reply(pair_dirs, messages) -> str:
     """What a brand-new generator (empty caches) answers to the fully rendered history."""
     target, draft = pair_dirs
-    pipe = build_pipeline(target, draft, "cpu", "fp32", 3)
+    pipe = load(target, draft, drafter="model", k=3, device="cpu", dtype="fp32", backend="hf")
     ids = encode_messages(pipe.tokenizer, messages)
     result = pipe.generator.generate(ids, max_new_tokens=40)
     return pipe.tokenizer.decode(result.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

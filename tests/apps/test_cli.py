@@ -352,7 +352,7 @@ def test_unexpected_error_is_one_line_unless_asked(pair_dirs, capsys, monkeypatc
     def broken(args):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(verispec.apps.cli.generate, "_pipeline", broken)
+    monkeypatch.setattr(verispec.apps.cli.generate, "pipeline_from_args", broken)
     assert main(["generate", "--prompt", "a", "--no-speculation"]) == 1
     assert capsys.readouterr().err == "verispec: error: RuntimeError: boom\n"
     monkeypatch.setenv("VERISPEC_TRACEBACK", "1")

@@ -17,11 +17,11 @@ from tiny import save_tiny_pair
 from verispec.apps.bench.endpoint import (
     Endpoint,
     EndpointRun,
-    _set_speedups,
     consume,
     parse_endpoint,
     parse_prometheus,
     request_for,
+    set_speedups,
     sse_events,
 )
 from verispec.apps.bench.endpoint_report import summarize
@@ -113,7 +113,7 @@ def test_summary_pools_and_compares_with_the_baseline():
             EndpointRun("1", "c", "fast", new_tokens=10, seconds=1.0, ttft=0.1, drafted=8, accepted=4, rounds=2),
             EndpointRun("2", "c", "base", new_tokens=20, seconds=2.0, ttft=0.4),
             EndpointRun("2", "c", "fast", error="HTTP 500: no")]
-    _set_speedups(runs, "base")
+    set_speedups(runs, "base")
     fast = summarize(runs, "fast")
     assert (fast["prompts"], fast["failed"], fast["new_tokens"], fast["tokens_per_second"]) == (2, 1, 10, 10.0)
     assert fast["speedup_median"] == 2.0 and fast["acceptance_rate"] == 0.5 and fast["mean_accepted_length"] == 3.0

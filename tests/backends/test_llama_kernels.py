@@ -18,7 +18,7 @@ import textwrap
 import pytest
 
 import verispec.backends.llamacpp as llamacpp
-from verispec.assembly.resolve import _check_exact_kernels
+from verispec.assembly.resolve import check_exact_kernels
 from verispec.assembly.specs import TargetSpec
 from verispec.catalog import DEFAULT_TARGET
 from verispec.names.errors import ModelError, SpecError
@@ -143,15 +143,15 @@ def test_exact_kernels_need_verispecs_build(system_info):
 def test_exact_kernels_are_llama_cpps_and_cover_every_pass():
     hf = TargetSpec("m", backend="hf", exact_kernels=True)
     with pytest.raises(SpecError) as err:
-        _check_exact_kernels(hf, 4)
+        check_exact_kernels(hf, 4)
     assert err.value.field == "target.exact_kernels" and ("target.backend", "llamacpp") in err.value.fixes
     llama = TargetSpec("m", backend="llamacpp", exact_kernels=True)
     for k in (0, llamacpp.EXACT_WIDTH - 1, "auto", None):
-        _check_exact_kernels(llama, k)
+        check_exact_kernels(llama, k)
     with pytest.raises(SpecError, match=f"at most {llamacpp.EXACT_WIDTH - 1}") as err:
-        _check_exact_kernels(llama, llamacpp.EXACT_WIDTH)
+        check_exact_kernels(llama, llamacpp.EXACT_WIDTH)
     assert err.value.field == "k"
-    _check_exact_kernels(TargetSpec("m", backend="hf"), 99)  # not asked for: nothing to check
+    check_exact_kernels(TargetSpec("m", backend="hf"), 99)  # not asked for: nothing to check
     with pytest.raises(SpecError, match="True or False"):
         TargetSpec("m", exact_kernels="yes")
 

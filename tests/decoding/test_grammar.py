@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from stats_util import chi2_pvalue, total_variation
-from test_exactness import ALPHA, N, PROMPT, STEPS, MappedLogits, assert_marginals, hf_logits
+from test_exactness import ALPHA, PROMPT, STEPS, MappedLogits, N, assert_marginals, hf_logits
 from tiny import perturbed, tiny_qwen2
 
 from verispec.backends import HFModel

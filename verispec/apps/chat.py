@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
 from verispec.decoding.stats import SpecStats
-from verispec.names.k import DEFAULT_K
 from verispec.names.options import MAX_NEW_TOKENS
 from verispec.pipeline.pipeline import Pipeline
 from verispec.pipeline.provenance import Piece
@@ -69,15 +68,6 @@ class ChatBot:
     measure_plain: bool = False
     history: list[dict] = field(default_factory=list)
     turns: list[TurnStats] = field(default_factory=list)
-
-    @classmethod
-    def from_models(cls, target: str | None = None, draft: str | None = None, device: str = "auto",
-                    dtype: str | None = None, k: int | str = DEFAULT_K, **kwargs) -> "ChatBot":
-        """A ChatBot over verispec.load(target, draft) (None, None: the default pair; dtype None: the device's
-        fastest, see verispec.assembly.resolve.choose_dtype)."""
-        from verispec.assembly.build import load
-
-        return cls(load(target, draft, device=device, dtype=dtype, k=k), **kwargs)
 
     # -- conversation ----------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ A pipeline is a target model, an optional drafter and k (draft tokens per round)
 (verispec.assembly.specs) say what to load and how; `resolve` (verispec.assembly.resolve) turns their "auto"
 choices into concrete ones, `ModelStore` (verispec.assembly.store) loads each model once, the registries
 (verispec.assembly.registry) map names to loaders and drafters, and `build` puts one pipeline together. `load` is
-the public entry point over all of it; `build_pipeline` the same with flat arguments.
+the public entry point over all of it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from verispec.assembly.registry import BACKENDS, DRAFTERS, is_loaded
-from verispec.assembly.resolve import _check_exact_kernels, choose_dtype, default_refs, resolve, resolve_target_backend
+from verispec.assembly.resolve import check_exact_kernels, choose_dtype, default_refs, resolve, resolve_target_backend
 from verispec.assembly.specs import DraftSpec, TargetSpec, check_k
-from verispec.assembly.store import ModelStore, _lean_net
+from verispec.assembly.store import ModelStore, lean_net
 from verispec.backends import HFModel
 from verispec.backends.base import Model
 from verispec.backends.lean import LeanBatch, lean_unsupported
@@ -32,7 +32,7 @@ from verispec.core.infill import TokenPieces
 from verispec.decoding.engine import SpeculativeGenerator
 from verispec.names.drafters import BACKEND_NAMES
 from verispec.names.errors import SpecError
-from verispec.names.k import DEFAULT_K, DEFAULTS, K_MAX, default_k
+from verispec.names.k import DEFAULTS, K_MAX, default_k
 from verispec.pipeline.pipeline import Pipeline
 
 
@@ -75,7 +75,7 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
         k = defaults.k
         name = BACKEND_NAMES.get(target.backend, target.backend)
         reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
-    _check_exact_kernels(target, k)
+    check_exact_kernels(target, k)
     tree = draft is not None and draft.drafter == "tree"
     if tree and "llamacpp" in (target.backend, draft_backend):
         raise SpecError("token trees run on the transformers backend (llama.cpp verifies chains only here)",
@@ -134,7 +134,7 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
 
 def _tree_models(target: Model, draft: Model) -> tuple[Model, Model]:
     """The target and draft of a tree drafter: both verify trees on the lean path (the target on a LeanNet of
-    its transformers model, which holds fused copies of some weights: see _lean_net)."""
+    its transformers model, which holds fused copies of some weights: see lean_net)."""
     if not isinstance(draft, LeanBatch):
         raise SpecError("token trees need the draft on the lean path (draft forward lean, an architecture it runs)",
                         "draft.forward", runtime=True)
@@ -143,7 +143,7 @@ def _tree_models(target: Model, draft: Model) -> tuple[Model, Model]:
     reason = lean_unsupported(target.model)
     if reason is not None:
         raise SpecError(f"token trees run on the lean path, which cannot run {reason}", "draft.drafter", runtime=True)
-    lean = LeanBatch(_lean_net(target))
+    lean = LeanBatch(lean_net(target))
     lean.max_length = target.max_length
     return lean, draft
 
@@ -168,7 +168,7 @@ def _with_slots(model: Model, slots: int) -> Model:
     """A Model of `slots` sequences on `model`'s weights (caches of its own): llama.cpp opens another context, the
     lean path another cache; a transformers model runs on its lean net."""
     if isinstance(model, HFModel):
-        lean = LeanBatch(_lean_net(model), slots)
+        lean = LeanBatch(lean_net(model), slots)
         lean.max_length = model.max_length
         return lean
     return model.with_slots(slots)
@@ -220,34 +220,6 @@ def grammars_for(tokenizer, eog: list[int], vocab_size: int) -> Grammars | None:
         return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eog))
 
     return Grammars(load, vocab_size)
-
-
-def build_pipeline(
-    target: str,
-    draft: str | None,
-    device: str = "auto",
-    dtype: str = "bf16",
-    k: int | str = DEFAULT_K,
-    drafter: str = "model",
-    draft_quant: str = "auto",
-    backend: str = "hf",
-    draft_backend: str | None = "auto",
-    draft_vocab: int = 0,
-    draft_forward: str = "auto",
-    ctx_size: int | None = None,
-) -> Pipeline:
-    """`build` with its specs given as flat arguments (references only; draft None with the 'model' or 'hybrid'
-    drafter: plain decoding)."""
-    spec = TargetSpec(target, backend, device, dtype, ctx_size)
-    if drafter in DRAFTERS and not DRAFTERS[drafter].needs_model:
-        draft_spec = DraftSpec(drafter)
-    elif draft is None:
-        draft_spec = None
-    else:
-        draft_spec = DraftSpec(drafter, draft, draft_backend or "auto", draft_quant, draft_vocab, draft_forward,
-                               ctx_size)
-    return build(spec, draft_spec, k)
-
 
 
 def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafter: str | None = "auto",

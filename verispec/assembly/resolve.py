@@ -246,7 +246,7 @@ def _ensure_installed(ref: str | None, field_name: str, pull_missing: bool) -> N
         pull(ref)
 
 
-def _check_exact_kernels(target: TargetSpec, k: int | str | None) -> None:
+def check_exact_kernels(target: TargetSpec, k: int | str | None) -> None:
     """Exact kernels are llama.cpp's, and cover verification passes of up to EXACT_WIDTH tokens."""
     if not target.exact_kernels:
         return

@@ -113,7 +113,7 @@ class ModelStore:
 _LEAN_NETS: "weakref.WeakKeyDictionary[Any, LeanNet]" = weakref.WeakKeyDictionary()  # transformers model -> its net
 
 
-def _lean_net(model: Model) -> LeanNet:
+def lean_net(model: Model) -> LeanNet:
     """The LeanNet of a transformers-backed Model, built once per transformers model: it holds fused copies of
     the q/k/v and gate/up weights (about 60% of the model's weights more in memory)."""
     if isinstance(model, LeanBatch):

@@ -25,13 +25,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ModelError(f"unknown dtype '{dtype}' (use {', '.join(DTYPES)})") from None
-
-
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model comes from: a directory (with an optional GGUF file inside it) or a hub id."""

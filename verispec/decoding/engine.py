@@ -55,9 +55,9 @@ from verispec.core.sampling import SamplingParams, generator_for
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import Clock, device_tensor, sync
 from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView, SharedKPolicy
+from verispec.decoding.prefill import prefill_plan
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.decoding.round import settle
-from verispec.decoding.prefill import prefill_plan
 from verispec.decoding.row import Generation, Row, Turn
 from verispec.decoding.tree_round import tree_round
 from verispec.names.drafters import DRAFT_MODEL_SOURCES, Source

@@ -20,3 +20,9 @@ class SpecError(ModelError):
                  runtime: bool = False) -> None:
         super().__init__(message)
         self.field, self.fixes, self.runtime = field, fixes, runtime
+
+
+def exception_line(exc: BaseException) -> str:
+    """An exception as one line: its type and its message's first line."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -32,6 +32,7 @@ import httpx
 
 from verispec.apps.bench.loader import Prompt, answer_history
 from verispec.apps.bench.measured import Measured
+from verispec.names.errors import exception_line
 from verispec.names.options import SamplingParams, openai_to_llama_server, to_openai
 
 LLAMA_STOP_TYPES = {"eos": "stop", "word": "stop", "limit": "length"}  # llama-server's stop_type -> finish_reason
@@ -186,11 +187,6 @@ def _headers(endpoint: Endpoint) -> dict:
     return {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
 
 
-def _one_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def run_prompt(client: httpx.Client, endpoint: Endpoint, model: str, prompt: Prompt, sampling: dict,
                max_tokens: int, counters: bool = False,
                clock: Callable[[], float] = time.perf_counter) -> EndpointRun:
@@ -207,7 +203,7 @@ def run_prompt(client: httpx.Client, endpoint: Endpoint, model: str, prompt: Pro
                 raise EndpointError(f"HTTP {response.status_code}: {response.text.strip()[:200]}")
             consume(sse_events(response.iter_lines()), run, t0, clock)
     except (httpx.HTTPError, EndpointError, ValueError, TypeError, AttributeError) as exc:
-        return EndpointRun(prompt.id, prompt.category, endpoint.name, error=_one_line(exc))
+        return EndpointRun(prompt.id, prompt.category, endpoint.name, error=exception_line(exc))
     if before is not None and run.drafted is None:
         after = spec_counters(client, endpoint) or {}
         run.drafted, run.accepted, run.rounds = (int(after.get(k, 0) - before.get(k, 0))
@@ -249,7 +245,7 @@ def served_model(client: httpx.Client, endpoint: Endpoint) -> str:
     try:
         response = client.get(url, headers=_headers(endpoint), timeout=10.0)
     except httpx.HTTPError as exc:
-        raise EndpointError(f"{endpoint.name}: cannot reach {url}: {_one_line(exc)}") from None
+        raise EndpointError(f"{endpoint.name}: cannot reach {url}: {exception_line(exc)}") from None
     try:
         listed = [m["id"] for m in response.json()["data"]]
     except (ValueError, KeyError, TypeError):
@@ -311,7 +307,7 @@ def run_endpoints(endpoints: list[Endpoint], prompts: list[Prompt], sampling: di
                 runs.append(run_prompt(client, e, models[e.name], prompt, sampling, max_tokens, counters[e.name]))
                 if on_run:
                     on_run(runs[-1])
-    _set_speedups(runs, endpoints[0].name)
+    set_speedups(runs, endpoints[0].name)
     return runs, models
 
 
@@ -352,11 +348,11 @@ def run_concurrent(endpoints: list[Endpoint], prompts: list[Prompt], sampling: d
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
                 runs += list(pool.map(one, prompts))
             walls[e.name] = time.perf_counter() - t0
-    _set_speedups(runs, endpoints[0].name)
+    set_speedups(runs, endpoints[0].name)
     return runs, models, walls
 
 
-def _set_speedups(runs: list[EndpointRun], baseline: str) -> None:
+def set_speedups(runs: list[EndpointRun], baseline: str) -> None:
     base = {r.prompt_id: r for r in runs if r.config == baseline and r.ok}
     for r in runs:
         b = base.get(r.prompt_id)

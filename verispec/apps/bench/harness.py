@@ -22,7 +22,7 @@ from verispec.backends.vocab import same_vocabulary
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
 from verispec.names.drafters import DRAFT_FORWARDS
-from verispec.names.errors import SpecError
+from verispec.names.errors import SpecError, exception_line
 from verispec.names.options import to_llama_cpp, to_transformers
 from verispec.pipeline.pipeline import Pipeline
 from verispec.pipeline.text import encode_messages, encode_prompt
@@ -353,7 +353,7 @@ def _interleaved(bench, prompts, encoded, order, params, max_new_tokens, on_run,
                 try:
                     measured = _one(bench, config, ids, params, max_new_tokens, warm)
                 except Exception as exc:  # this run's failure; KeyboardInterrupt (not an Exception) ends the benchmark
-                    failed[config.name] = _one_line(exc)
+                    failed[config.name] = exception_line(exc)
                     continue
                 by_config[config.name].append(Run(prompt.id, prompt.category, config.name, **measured))
         for run in _prompt_runs(prompt, order, by_config, failed, params):
@@ -385,11 +385,6 @@ def _prompt_runs(prompt: Prompt, order: list[Config], by_config: dict[str, list[
                 run.identical = run.first_diff is None
         out.append(_pooled(mine, pooled_base))
     return out
-
-
-def _one_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 _SUMMED = ("new_tokens", "seconds", "drafted", "accepted", "rounds", "draft_seconds", "target_seconds",

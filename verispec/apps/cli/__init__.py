@@ -19,7 +19,7 @@ import warnings
 
 from verispec.apps.cli import bench, chat, export, generate, models, serve
 from verispec.apps.cli.args import _HelpFormatter, _Parser
-from verispec.apps.cli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, _one_line
+from verispec.apps.cli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, one_line
 from verispec.names import __version__
 
 __all__ = ["build_parser", "main"]
@@ -64,5 +64,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if os.environ.get("VERISPEC_TRACEBACK"):
             raise
-        print(f"verispec: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"verispec: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILURE

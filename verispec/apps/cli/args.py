@@ -2,7 +2,7 @@
 (a TargetSpec and DraftSpec, then a built pipeline), the sampling flags (SamplingParams, or an endpoint's request
 fields), the argument types, and the help and error format of every parser.
 
-A value the library refuses is a ValueError, which `main` reports as a usage error; `_spec_errors` names the flag
+A value the library refuses is a ValueError, which `main` reports as a usage error; `spec_errors` names the flag
 at fault.
 """
 
@@ -47,12 +47,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _command(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
+def add_subcommand(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
     """A subcommand's parser: its help line is also its description, and its help shows each flag's default."""
     return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
 
 
-def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -> None:
     p.add_argument("--target", help="target model: known name, HF directory, .gguf file or hub id (default: the "
                                     "default pair's target)")
     p.add_argument("--draft", help="draft model (same forms) (default: the default pair's draft when --target is "
@@ -82,22 +82,22 @@ def _add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                             "over the text and earlier outputs (no draft model); hybrid / hybrid-suffix: n-gram / "
                             "suffix lookup when it matches confidently, else the draft LM (default: the target "
                             "backend's default drafter, verispec.names.k.DEFAULTS; model when --draft is given)")
-        p.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=None,
+        p.add_argument("--num-draft-tokens", "-k", type=k_arg, default=None,
                        help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: the target "
                             "backend's default with its default drafter; else 4, or auto when the target or the "
                             "draft runs on llama.cpp, where a fixed k can be slower than plain decoding)")
         p.add_argument("--draft-quant", choices=QUANT_CHOICES, default="auto",
                        help="weight-only quantisation of the transformers draft (never the target; exactness "
                             "unaffected); auto: int4 on the CPU, none elsewhere")
-        p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
+        p.add_argument("--draft-vocab", type=non_negative_int, default=0, metavar="N",
                        help="the transformers draft scores only ~N frequent tokens (q = 0 elsewhere; exactness "
                             "unaffected), e.g. 32768; 0 = all")
-        _add_draft_forward_arg(p)
-        _add_tree_args(p)
+        add_draft_forward_arg(p)
+        add_tree_args(p)
         p.add_argument("--no-speculation", action="store_true", help="plain target decoding (the baseline)")
 
 
-def _add_tree_args(p: argparse.ArgumentParser, budgets: bool = False) -> None:
+def add_tree_args(p: argparse.ArgumentParser, budgets: bool = False) -> None:
     p.add_argument("--tree", action="store_true",
                    help="token-tree speculation (--drafter tree): the draft model proposes a tree of candidates "
                         "and the target verifies all of them in one pass (transformers backend, lean path)")
@@ -105,7 +105,7 @@ def _add_tree_args(p: argparse.ArgumentParser, budgets: bool = False) -> None:
         p.add_argument("--tree-budget", default=None, metavar="LIST",
                        help="tree node budgets to compare, e.g. 8,16,auto; implies --tree (default: auto)")
     else:
-        p.add_argument("--tree-budget", type=_k_arg, default=None, metavar="N",
+        p.add_argument("--tree-budget", type=k_arg, default=None, metavar="N",
                        help="tree nodes per round, or 'auto' (measured cost and acceptance choose the budget and "
                             "depth each round); implies --tree (default: auto)")
 
@@ -116,28 +116,28 @@ def _add_color_arg(p: argparse.ArgumentParser) -> None:
                         "by the target (yellow) (default: on when stdout is a terminal)")
 
 
-def _add_draft_forward_arg(p: argparse.ArgumentParser) -> None:
+def add_draft_forward_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-forward", default="auto", choices=DRAFT_FORWARDS,
                    help="how a transformers draft runs: lean (verispec's decode path for Llama/Qwen2/Mistral: "
                         "fused layers, preallocated cache) or transformers' own forward; auto: lean where the "
                         "architecture allows")
 
 
-def _k_arg(text: str) -> int | str:
+def k_arg(text: str) -> int | str:
     try:
         return parse_k(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = _int_arg(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = _int_arg(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -159,9 +159,9 @@ def _device_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown device '{text}' (use auto, cpu, cuda or cuda:N)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NEW_TOKENS) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NEW_TOKENS) -> None:
     """--max-new-tokens, a flag per sampling option (verispec.names.options: its default and help), --stop."""
-    p.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens, metavar="N",
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, metavar="N",
                    help="most tokens to generate")
     types, defaults = option_types(), option_defaults()
     for name, opt in sampling_options().items():
@@ -173,17 +173,17 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NEW
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable) (default: none)")
 
 
-def _add_generation_args(p: argparse.ArgumentParser) -> None:
+def add_generation_args(p: argparse.ArgumentParser) -> None:
     """The flags of a command that generates text: colour, models and speculation, sampling."""
     _add_color_arg(p)
-    _add_model_args(p)
-    _add_sampling_args(p)
+    add_model_args(p)
+    add_sampling_args(p)
 
 
-def _settings(args) -> SamplingParams:
+def checked_sampling(args) -> SamplingParams:
     """The command line's sampling params, its speculation flags checked: usage errors before anything loads."""
-    params = _sampling(args)
-    _check_draft(args)
+    params = sampling_from_args(args)
+    check_draft(args)
     return params
 
 
@@ -192,16 +192,16 @@ def _flag_type(annotation) -> type:
     return int if annotation is int or int in getattr(annotation, "__args__", ()) else float
 
 
-def _sampling(args) -> SamplingParams:
+def sampling_from_args(args) -> SamplingParams:
     """SamplingParams from the command line (a value it refuses, a ValueError, is a usage error)."""
     params = SamplingParams(**{name: getattr(args, name) for name in sampling_options()})
     params.check_length(args.max_new_tokens, "--max-new-tokens")
     return params
 
 
-def _endpoint_sampling(args) -> dict:
+def endpoint_sampling(args) -> dict:
     """The OpenAI request fields for the command line's sampling settings and stops."""
-    params = _sampling(args)
+    params = sampling_from_args(args)
     local = ["--" + name.replace("_", "-") for name in params.changed() if not sampling_options()[name].openai]
     if local:
         raise ValueError(f"{', '.join(local)}: not OpenAI request fields, so not sent to an endpoint")
@@ -221,7 +221,7 @@ _SPEC_FLAGS = {  # a spec field (SpecError.field) -> the flag that sets it
 
 
 @contextlib.contextmanager
-def _spec_errors():
+def spec_errors():
     """A refused spec as one line naming the flag at fault and the flags that would be accepted: a usage error
     (ValueError), or a runtime failure (ModelError) when the machine cannot honour valid settings."""
     from verispec.names.errors import SpecError
@@ -236,7 +236,7 @@ def _spec_errors():
         raise (ModelError if exc.runtime else ValueError)(f"{exc}{hint}") from None
 
 
-def _specs(args, drafter: str | None):
+def model_specs(args, drafter: str | None):
     """(TargetSpec, DraftSpec or None) from the model options; `drafter` None: plain decoding."""
     from verispec.assembly.resolve import default_refs
     from verispec.assembly.specs import DraftSpec, TargetSpec
@@ -250,12 +250,12 @@ def _specs(args, drafter: str | None):
                                   args.draft_quant, args.draft_vocab, args.draft_forward, args.ctx_size)
 
 
-def _pipeline(args):
+def pipeline_from_args(args):
     from verispec.assembly.build import build
 
     drafter = None if args.no_speculation else args.drafter or "auto"
-    with _spec_errors():
-        target, draft = _specs(args, drafter)
+    with spec_errors():
+        target, draft = model_specs(args, drafter)
         return build(target, draft, 0 if args.no_speculation else args.num_draft_tokens)
 
 
@@ -274,7 +274,7 @@ def _tree_flags(args) -> None:
         args.num_draft_tokens = args.tree_budget
 
 
-def _check_draft(args) -> None:
+def check_draft(args) -> None:
     """A model drafter named on the command line needs a draft: --draft, or the default pair's (when --target
     is not given). The default drafter is the backend's, known once the backend is: build checks it."""
     _tree_flags(args)
@@ -283,12 +283,12 @@ def _check_draft(args) -> None:
         raise UsageError("no draft model: pass --draft (or --drafter ngram, or --no-speculation for plain decoding)")
 
 
-def _color(args) -> bool:
+def use_color(args) -> bool:
     """--color / --no-color; unset: colour when stdout is a terminal."""
     return sys.stdout.isatty() if args.color is None else args.color
 
 
-def _stderr_console():
+def stderr_console():
     from rich.console import Console
 
     return Console(stderr=True)

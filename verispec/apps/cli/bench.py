@@ -11,28 +11,28 @@ import os
 
 from verispec.apps.cli.args import (
     QUANT_CHOICES,
-    _add_draft_forward_arg,
-    _add_model_args,
-    _add_sampling_args,
-    _add_tree_args,
-    _command,
-    _non_negative_int,
-    _positive_int,
-    _sampling,
-    _spec_errors,
-    _specs,
-    _stderr_console,
+    add_draft_forward_arg,
+    add_model_args,
+    add_sampling_args,
+    add_subcommand,
+    add_tree_args,
+    model_specs,
+    non_negative_int,
+    positive_int,
+    sampling_from_args,
+    spec_errors,
+    stderr_console,
 )
 from verispec.apps.cli.bench_common import (
-    _bench_outcome,
-    _bench_prompts,
-    _check_json_out,
-    _command_line,
-    _emit_json,
-    _print_table,
+    bench_outcome,
+    bench_prompts,
+    check_json_out,
+    command_line,
+    emit_json,
+    print_table,
 )
 from verispec.apps.cli.bench_endpoints import cmd_bench_endpoints
-from verispec.apps.cli.errors import _one_line, require_extra
+from verispec.apps.cli.errors import one_line, require_extra
 from verispec.names.drafters import DRAFTER_NAMES
 from verispec.names.errors import ModelError
 from verispec.names.k import DEFAULT_K, DEFAULTS, Defaults, default_k, parse_k
@@ -40,10 +40,10 @@ from verispec.names.options import BENCH_MAX_NEW_TOKENS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    b = _command(sub, "bench", "plain vs speculative decoding, same run: tables, JSON, plots")
+    b = add_subcommand(sub, "bench", "plain vs speculative decoding, same run: tables, JSON, plots")
     b.add_argument("--prompts", help="Spec-Bench/MT-Bench jsonl, HumanEval jsonl(.gz) or text file (default: "
                                      "the built-in set)")
-    b.add_argument("--turn", type=_positive_int, default=1, metavar="N",
+    b.add_argument("--turn", type=positive_int, default=1, metavar="N",
                    help="time the Nth user turn of multi-turn questions (MT-Bench: 2 = second turns), the "
                         "earlier turns and their answers in the context; the answers are the target's plain "
                         "greedy decoding (with --endpoint: the first endpoint's), not timed; questions with "
@@ -52,8 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --turn 2 or later: each run first answers the previous turn itself, untimed, so "
                         "that the timed turn starts with the conversation in its caches, as in a chat (default: "
                         "the whole conversation is prefilled in the timed run)")
-    b.add_argument("--limit", type=_positive_int, metavar="N", help="at most N prompts (default: all)")
-    b.add_argument("--per-category", type=_positive_int, metavar="N",
+    b.add_argument("--limit", type=positive_int, metavar="N", help="at most N prompts (default: all)")
+    b.add_argument("--per-category", type=positive_int, metavar="N",
                    help="at most N prompts per category (default: all)")
     b.add_argument("--categories", help="only these categories, e.g. code-editing,summarization (default: all)")
     b.add_argument("--num-draft-tokens", "-k", help="k values to compare, e.g. 2,4,6,auto (default: what `generate` "
@@ -73,7 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--rounds-only", action="store_true",
                    help="time verispec's decoding rounds alone, without turning tokens into text (default: the "
                         "text too, detokenising and stop checks, as a user gets it)")
-    b.add_argument("--concurrency", type=_positive_int, default=None, metavar="N",
+    b.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
                    help="with --endpoint: N requests in flight (1: one after another), each endpoint alone in turn; "
                         "reports aggregate tokens/s (start each run on fresh servers: verispec's suffix drafter "
                         "remembers answers) (default: the endpoints interleaved prompt by prompt)")
@@ -83,23 +83,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also write the JSON report to FILE, whole or not at all; also when the run is "
                         "interrupted or fails (default: none)")
     b.add_argument("--plot-dir", help="write PNG plots here (default: none)")
-    b.add_argument("--warmup", type=_non_negative_int, default=1, help="warm-up generations per configuration")
+    b.add_argument("--warmup", type=non_negative_int, default=1, help="warm-up generations per configuration")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs per prompt and configuration, interleaved and pooled (total tokens / total seconds) "
                         "before the ratio: single runs on a noisy machine swing by +-10-15%%")
     b.add_argument("--draft-quant", choices=QUANT_CHOICES, default="auto",
                    help="weight-only quantisation of the transformers draft (auto: int4 on the CPU); HF assisted "
                         "generation always gets the bf16 draft, its library default")
-    b.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
+    b.add_argument("--draft-vocab", type=non_negative_int, default=0, metavar="N",
                    help="the draft scores only ~N frequent tokens (HF assisted keeps the full head); 0 = all")
-    _add_draft_forward_arg(b)
+    add_draft_forward_arg(b)
     b.add_argument("--draft-variants", metavar="LIST", type=_draft_variants_arg,
                    help="more draft setups compared in the same run, e.g. llamacpp,hf-int4,hf-int4-v32768 "
                         "(backend[-quant][-vVOCAB][-lean|-transformers]); shown as model[variant] / "
                         "hybrid[variant] (default: none)")
-    _add_tree_args(b, budgets=True)
-    _add_model_args(b, speculation_flags=False)
-    _add_sampling_args(b, BENCH_MAX_NEW_TOKENS)
+    add_tree_args(b, budgets=True)
+    add_model_args(b, speculation_flags=False)
+    add_sampling_args(b, BENCH_MAX_NEW_TOKENS)
     b.set_defaults(func=cmd_bench)
 
 
@@ -134,8 +134,8 @@ def _generate_defaults(args) -> tuple[str, str, str | None]:
         return args.drafters, args.num_draft_tokens, None
     from verispec.assembly.resolve import resolve_target_backend
 
-    with _spec_errors():
-        target_spec, _ = _specs(args, None)
+    with spec_errors():
+        target_spec, _ = model_specs(args, None)
         backend, _ = resolve_target_backend(target_spec)
     own = DEFAULTS.get(backend, Defaults("model", DEFAULT_K))
     drafters = args.drafters if args.drafters is not None else own.drafter
@@ -154,7 +154,7 @@ def _compared(args) -> tuple[list[str], list[str], list[int | str]]:
         if d not in DRAFTER_NAMES:
             raise ValueError(f"unknown drafter '{d}' in --drafters (use {', '.join(DRAFTER_NAMES)})")
     variants = [v.strip() for v in (args.draft_variants or "").split(",") if v.strip()]
-    with _spec_errors():
+    with spec_errors():
         for v in variants:
             parse_draft_variant(v)  # refuse a bad one before loading anything
     tree = args.tree or args.tree_budget is not None
@@ -176,7 +176,7 @@ def _measure(bench, prompts: list, configs: list, params, args) -> tuple[list, s
 
     from verispec.apps.bench.harness import run_benchmark
 
-    console = _stderr_console()
+    console = stderr_console()
     progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
                         disable=not console.is_terminal)
@@ -196,7 +196,7 @@ def _measure(bench, prompts: list, configs: list, params, args) -> tuple[list, s
     with progress:
         task = progress.add_task("bench", total=total, last="warm-up")
         try:
-            with _spec_errors():
+            with spec_errors():
                 run_benchmark(bench, prompts, configs, params, args.max_new_tokens, warmup=args.warmup,
                               on_run=on_run, repeats=args.repeats, warm_history=args.warm_history)
         except KeyboardInterrupt:
@@ -204,12 +204,12 @@ def _measure(bench, prompts: list, configs: list, params, args) -> tuple[list, s
         except Exception as exc:
             if (isinstance(exc, ValueError) and not runs) or os.environ.get("VERISPEC_TRACEBACK"):
                 raise  # refused before measuring anything: a usage error, no report
-            status, error = "failed", _one_line(exc)
+            status, error = "failed", one_line(exc)
     return runs, status, error
 
 
 def cmd_bench(args) -> int:
-    _check_json_out(args.json_out)
+    check_json_out(args.json_out)
     if args.plot_dir:
         require_extra("bench", "verispec bench --plot-dir", ("matplotlib",))
     if args.warm_history and args.turn < 2:
@@ -222,26 +222,26 @@ def cmd_bench(args) -> int:
     from verispec.apps.bench.plan import caveats, configurations, metadata, needs_draft_model
     from verispec.apps.bench.report import build_report, render_table, write_plots
 
-    params = _sampling(args)
+    params = sampling_from_args(args)
     args.drafters, args.num_draft_tokens, defaults = _generate_defaults(args)
     ks = _k_list(args.num_draft_tokens)
-    prompts = _bench_prompts(args)
+    prompts = bench_prompts(args)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     drafters, variants, budgets = _compared(args)
     configs = configurations(drafters, ks, variants, budgets, args.compare)
     drafter = "model" if needs_draft_model(drafters, budgets, args.compare) else "ngram"
-    with _spec_errors():
-        target_spec, draft_spec = _specs(args, drafter)
+    with spec_errors():
+        target_spec, draft_spec = model_specs(args, drafter)
         bench = Bench(target_spec, draft_spec, text=not args.rounds_only)
         pipe = bench.pipeline(Config("own", "spec", ks[0], drafter))  # for the header
         other_tokenizer = "hf" in args.compare and bool(bench.hf_assistant_tokenizers())  # before measuring
     if pipe.fim is None and not args.prompts and any(p.infill for p in prompts):  # the built-in set's infills
         prompts = [p for p in prompts if not p.infill]
-        _stderr_console().print("bench: the fill-in-the-middle prompts are left out: the target has no FIM tokens",
+        stderr_console().print("bench: the fill-in-the-middle prompts are left out: the target has no FIM tokens",
                                 highlight=False, markup=False, soft_wrap=True)
     runs, status, error = _measure(bench, prompts, configs, params, args)
-    meta = metadata(_command_line(), pipe, draft_spec.label if draft_spec is not None else None, params,
+    meta = metadata(command_line(), pipe, draft_spec.label if draft_spec is not None else None, params,
                     max_new_tokens=args.max_new_tokens, prompts_file=args.prompts, turn=args.turn,
                     warm_history=args.warm_history, repeats=args.repeats, draft_vocab=args.draft_vocab,
                     variants=variants, rounds_only=args.rounds_only, status=status, error=error)
@@ -249,17 +249,17 @@ def cmd_bench(args) -> int:
     report["caveats"] = caveats(args.compare, params, other_tokenizer)
     if defaults:
         report["defaults"] = defaults
-        _stderr_console().print(f"bench: {defaults}", highlight=False, markup=False, soft_wrap=True)
-    _print_table(render_table(report), args.json)
+        stderr_console().print(f"bench: {defaults}", highlight=False, markup=False, soft_wrap=True)
+    print_table(render_table(report), args.json)
     for line in report["failures"]:
-        _stderr_console().print(f"failed: {line}", highlight=False, markup=False, soft_wrap=True)
+        stderr_console().print(f"failed: {line}", highlight=False, markup=False, soft_wrap=True)
     for line in report["caveats"]:
-        _stderr_console().print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
+        stderr_console().print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
     plot_error = None
     if args.plot_dir:
         try:
             report["plots"] = [str(p) for p in write_plots(report, args.plot_dir)]
         except Exception as exc:  # the measurements matter more: the JSON is written all the same
-            plot_error = report["plot_error"] = _one_line(exc)
-    _emit_json(report, args.json_out)
-    return _bench_outcome(status, error, plot_error, len(runs))
+            plot_error = report["plot_error"] = one_line(exc)
+    emit_json(report, args.json_out)
+    return bench_outcome(status, error, plot_error, len(runs))

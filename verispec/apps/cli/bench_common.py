@@ -13,7 +13,7 @@ import tempfile
 from verispec.apps.cli.errors import EXIT_INTERRUPTED, CommandError, UsageError
 
 
-def _bench_prompts(args) -> list:
+def bench_prompts(args) -> list:
     """The prompts that --prompts, --turn, --categories, --limit and --per-category select; none is an error."""
     from verispec.apps.bench.loader import load_prompts, select
 
@@ -31,12 +31,12 @@ def _bench_prompts(args) -> list:
     return prompts
 
 
-def _command_line() -> str:
+def command_line() -> str:
     """The command as the report records it: as typed when run as `verispec`, else `verispec bench`."""
     return "verispec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("verispec") else "verispec bench"
 
 
-def _bench_outcome(status: str, error: str | None, plot_error: str | None, measured: int) -> int:
+def bench_outcome(status: str, error: str | None, plot_error: str | None, measured: int) -> int:
     """The exit status of a benchmark whose report is written; a failure says so in one line."""
     if status == "interrupted":
         print(f"verispec: interrupted: the report holds the {measured} runs measured before", file=sys.stderr)
@@ -48,20 +48,20 @@ def _bench_outcome(status: str, error: str | None, plot_error: str | None, measu
     return 0
 
 
-def _print_table(table, json_only: bool) -> None:
+def print_table(table, json_only: bool) -> None:
     """The table for people: on stdout, or on stderr when stdout carries only the JSON."""
     from rich.console import Console
 
     Console(width=200, stderr=json_only).print(table)
 
 
-def _check_json_out(json_out: str | None) -> None:
+def check_json_out(json_out: str | None) -> None:
     """Refuse a --json-out that cannot be written before measuring anything."""
     if json_out and not os.path.isdir(os.path.dirname(os.path.abspath(json_out))):
         raise UsageError(f"--json-out {json_out}: no such directory")
 
 
-def _emit_json(report: dict, json_out: str | None) -> None:
+def emit_json(report: dict, json_out: str | None) -> None:
     """The report as one JSON line on stdout (after the table, or alone with --json), and into `json_out`
     when given."""
     document = json.dumps(report)

@@ -3,15 +3,15 @@ each loaded with concurrent requests in turn; the first endpoint is the baseline
 
 from __future__ import annotations
 
-from verispec.apps.cli.args import _endpoint_sampling, _sampling, _stderr_console
-from verispec.apps.cli.bench_common import _bench_outcome, _bench_prompts, _command_line, _emit_json, _print_table
+from verispec.apps.cli.args import endpoint_sampling, sampling_from_args, stderr_console
+from verispec.apps.cli.bench_common import bench_outcome, bench_prompts, command_line, emit_json, print_table
 from verispec.apps.cli.errors import require_extra
 
 
 def cmd_bench_endpoints(args) -> int:
     """`verispec bench --endpoint URL ...`: the prompt set against OpenAI-compatible servers, one table."""
     require_extra("bench", "verispec bench --endpoint", ("httpx",))
-    from verispec.apps.bench.endpoint import EndpointError, _set_speedups, parse_endpoint, run_concurrent, run_endpoints
+    from verispec.apps.bench.endpoint import EndpointError, parse_endpoint, run_concurrent, run_endpoints, set_speedups
     from verispec.apps.bench.endpoint_report import build_endpoint_report, render_endpoint_table
     from verispec.apps.bench.plan import endpoint_metadata
 
@@ -21,10 +21,10 @@ def cmd_bench_endpoints(args) -> int:
                                       ("--rounds-only", args.rounds_only)) if value]
     if local:
         raise ValueError(f"--endpoint benchmarks servers only: drop {', '.join(local)}")
-    sampling = _endpoint_sampling(args)
-    prompts = _bench_prompts(args)
+    sampling = endpoint_sampling(args)
+    prompts = bench_prompts(args)
     endpoints = [parse_endpoint(text, args.endpoint_api_key) for text in args.endpoint]
-    console = _stderr_console()
+    console = stderr_console()
     measured: list = []  # kept as it comes: an interrupted run still reports it
 
     def on_run(r) -> None:
@@ -44,11 +44,11 @@ def cmd_bench_endpoints(args) -> int:
         raise ValueError(str(exc)) from None
     except KeyboardInterrupt:
         runs, models, status = measured, {}, "interrupted"
-        _set_speedups(runs, endpoints[0].name)
-    meta = endpoint_metadata(_command_line(), _sampling(args), max_new_tokens=args.max_new_tokens,
+        set_speedups(runs, endpoints[0].name)
+    meta = endpoint_metadata(command_line(), sampling_from_args(args), max_new_tokens=args.max_new_tokens,
                              prompts_file=args.prompts, turn=args.turn, status=status,
                              concurrency=args.concurrency or 1)
     report = build_endpoint_report(runs, endpoints, models, meta, walls)
-    _print_table(render_endpoint_table(report), args.json)
-    _emit_json(report, args.json_out)
-    return _bench_outcome(status, None, None, len(runs))
+    print_table(render_endpoint_table(report), args.json)
+    emit_json(report, args.json_out)
+    return bench_outcome(status, None, None, len(runs))

@@ -3,7 +3,7 @@ the one line `verispec: error: ...` shows."""
 
 from __future__ import annotations
 
-from verispec.names.errors import ModelError
+from verispec.names.errors import ModelError, exception_line
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -31,11 +31,11 @@ def require_extra(extra: str, what: str, modules: tuple[str, ...] | None = None)
                            f"pip install 'verispec[{extra}]'")
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """An exception as one line: its message's first line, after its type unless it is one of ours (a bad
     value, a model problem, a command failure), whose messages are written for users."""
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else ""
     if isinstance(exc, (ValueError, ModelError, CommandError)) and text:
         return text
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return exception_line(exc)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from verispec.apps.cli.args import _command, _k_arg, _non_negative_int
+from verispec.apps.cli.args import add_subcommand, k_arg, non_negative_int
 from verispec.apps.cli.errors import UsageError
 from verispec.names.errors import ModelError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    ex = _command(sub, "export", "the launch command for vLLM, SGLang or llama-server with the same speculative "
+    ex = add_subcommand(sub, "export", "the launch command for vLLM, SGLang or llama-server with the same speculative "
                                  "settings (for more GPUs, machines or users than one process serves)")
     ex.add_argument("engine", choices=["vllm", "sglang", "llama-server"])
     ex.add_argument("--target", help="target model: known name (its cached HF directory, or GGUF for llama-server), "
@@ -21,9 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "not given, else none)")
     ex.add_argument("--drafter", default="model", choices=["model", "ngram", "hybrid"],
                     help="model: the draft LM; ngram: prompt lookup; hybrid: exported as the draft LM")
-    ex.add_argument("--num-draft-tokens", "-k", type=_k_arg, default=4,
+    ex.add_argument("--num-draft-tokens", "-k", type=k_arg, default=4,
                     help="draft tokens per round, or 'auto' (exported as 4: no engine has cost-aware k)")
-    ex.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
+    ex.add_argument("--draft-vocab", type=non_negative_int, default=0, metavar="N",
                     help="verispec's reduced draft vocabulary (reported as having no equivalent); 0 = all")
     ex.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the target is split over")
     ex.add_argument("--draft-tensor-parallel-size", type=int,

@@ -7,12 +7,12 @@ import argparse
 import json
 import sys
 
-from verispec.apps.cli.args import _add_generation_args, _color, _command, _pipeline, _settings
+from verispec.apps.cli.args import add_generation_args, add_subcommand, checked_sampling, pipeline_from_args, use_color
 from verispec.apps.cli.errors import CommandError, UsageError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    g = _command(sub, "generate", "generate text for one prompt")
+    g = add_subcommand(sub, "generate", "generate text for one prompt")
     g.add_argument("--prompt", required=True, help="the prompt; - reads it from standard input (less one final "
                                                    "newline)")
     g.add_argument("--suffix", help="fill in the middle: the text after the gap, the prompt being the text before it "
@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--grammar", metavar="FILE",
                    help="structured output: the answer follows the grammar in FILE (Lark as llguidance reads it, or "
                         "llama.cpp's GBNF) (default: free text)")
-    _add_generation_args(g)
+    add_generation_args(g)
     g.set_defaults(func=cmd_generate)
 
 
@@ -100,11 +100,11 @@ def cmd_generate(args) -> int:
     from verispec.apps.repl import LEGEND, TokenWriter
     from verispec.decoding.request import Request
 
-    params = _settings(args)
+    params = checked_sampling(args)
     constraint = _constraint(args)
-    pipe = _pipeline(args)
+    pipe = pipeline_from_args(args)
     prompt_ids = _prompt_ids(pipe, args)
-    color = _color(args) and not args.json
+    color = use_color(args) and not args.json
     out = TokenWriter(sys.stdout, color)
     if color:
         print(LEGEND, file=sys.stderr, flush=True)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from verispec.apps.cli.args import _command, _stderr_console
+from verispec.apps.cli.args import add_subcommand, stderr_console
 from verispec.apps.cli.errors import UsageError
 from verispec.catalog import DEFAULT_PAIR, KNOWN_MODELS
 from verispec.names.errors import ModelError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    m = _command(sub, "models", "install, list and verify models")
+    m = add_subcommand(sub, "models", "install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])
     m.add_argument("names", nargs="*",
                    help=f"model names (default: the default pair); known: {', '.join(KNOWN_MODELS)}")
@@ -27,7 +27,7 @@ def _progress_printer():
 
     progress = Progress(
         TextColumn("{task.description:<16}"), BarColumn(), TextColumn("{task.fields[amount]}"), TimeElapsedColumn(),
-        console=_stderr_console(), transient=False,
+        console=stderr_console(), transient=False,
     )
     tasks: dict[str, int] = {}
 

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from verispec.apps.cli.args import _add_model_args, _check_draft, _command, _pipeline, _positive_int
+from verispec.apps.cli.args import add_model_args, add_subcommand, check_draft, pipeline_from_args, positive_int
 from verispec.apps.cli.errors import require_extra
 from verispec.apps.server.settings import ServerSettings
 
@@ -17,7 +17,7 @@ DEFAULT_MAX_BATCH = 8
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    sv = _command(sub, "serve", "OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
+    sv = add_subcommand(sub, "serve", "OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
     sv.add_argument("--host", default="127.0.0.1", help="bind address")
     sv.add_argument("--port", type=int, default=8000, help="port")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $VERISPEC_API_KEY, "
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                 "accepted (default: none besides it)")
     sv.add_argument("--max-queue", type=int, default=ServerSettings.max_queue,
                     help="requests waiting beyond this get 429")
-    sv.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
+    sv.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
                     help="requests decoded together, each round's target pass shared (continuous batching; a "
                          "pipeline that cannot batch, such as the tree drafter's, decodes one at a time and says why)")
     sv.add_argument("--max-prompt-tokens", type=int, default=ServerSettings.max_prompt_tokens,
@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="max_tokens of a request that sets none (OpenAI's API has no default)")
     sv.add_argument("--max-body-bytes", type=int, default=ServerSettings.max_body_bytes, help="largest request body")
     sv.add_argument("--log-level", default="info", help="uvicorn's log level")
-    _add_model_args(sv)
+    add_model_args(sv)
     sv.set_defaults(func=cmd_serve)
 
 
@@ -56,8 +56,8 @@ def cmd_serve(args) -> int:
     if not _is_loopback(args.host) and api_key is None:
         print(f"verispec serve: warning: {args.host} is reachable from other machines and no API key is set "
               f"(--api-key or VERISPEC_API_KEY): anyone who can reach it can use it", file=sys.stderr, flush=True)
-    _check_draft(args)
-    pipe = _pipeline(args)
+    check_draft(args)
+    pipe = pipeline_from_args(args)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, pipe.target_ref, "verispec") if n))
     settings = ServerSettings(model_names=names, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                               max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
