@@ -1,7 +1,7 @@
 """What a CUDA machine with torch and transformers, but no network and no model files, tells of verispec.
 
 1. Exactness on the device (tiny random Qwen2 models, fp32): greedy speculative decoding equals plain decoding, a
-   lone engine and a batch of 4 sequences alike; the per-position marginals of sampled speculative decoding equal
+   lone engine and a batch of 4 sequences alike, and rows of one system prompt that copy its cache (computed once); the per-position marginals of sampled speculative decoding equal
    the target's, computed exactly (chi-square), and a verifier that accepts every draft fails the same test.
 2. Host syncs per round (torch.cuda.set_sync_debug_mode): a lone and a batched engine's rounds, plain and drafting.
 3. Costs on a Qwen2.5-1.5B-shaped random model in bf16 on the lean path: a pass over n = 1..16 tokens on a 512-token
@@ -88,9 +88,16 @@ def exactness(device) -> dict:
     results = run_batch(engine(target, draft, 4, 4), [Request(prompt_ids=p, max_new_tokens=40) for p in prompts])
     out["batch_greedy_identical"] = [r.token_ids for r in results] == plain
     out["batch_acceptance"] = sum(r.stats.accepted for r in results) / max(1, sum(r.stats.drafted for r in results))
+    system = list(range(2, 38))  # rows of one 36-token system prompt: the first feeds it, the others copy its cache
+    shared = [system + tail for tail in ([5], [6, 7], [8, 8, 8])]
+    results = run_batch(engine(target, draft, 4, 4), [Request(prompt_ids=p, max_new_tokens=40) for p in shared])
+    out["shared_prefill_cached"] = [r.stats.cached_tokens for r in results]
+    out["shared_prefill_identical"] = [r.token_ids for r in results] == [
+        engine(target, None, 1, 0).generate(p, max_new_tokens=40).token_ids for p in shared]
     out["marginals_p"] = marginals(target, draft, device)
     out["negative_control_p"] = marginals(target, draft, device, always_accept=True)
-    out["ok"] = (out["lone_greedy_identical"] and out["batch_greedy_identical"] and min(out["marginals_p"]) > 1e-4
+    out["ok"] = (out["lone_greedy_identical"] and out["batch_greedy_identical"] and out["shared_prefill_identical"]
+                 and out["shared_prefill_cached"][1:] == [36, 36] and min(out["marginals_p"]) > 1e-4
                  and min(out["negative_control_p"]) < 1e-4)
     return out
 
@@ -117,13 +124,13 @@ def marginals(target, draft, device, always_accept: bool = False, n: int = 3000)
     try:
         eng = engine(target, draft, 8, 2)
         requests = [Request(prompt_ids=prompt, params=SamplingParams(temperature=1.0, top_k=8, seed=i),
-                            max_new_tokens=2) for i in range(n)]
+                            max_new_tokens=3) for i in range(n)]  # token 1 is the prefill's, token 2 a draft's
         results = run_batch(eng, requests)
     finally:
         rows.rejection_sample = original
     counts = torch.zeros(2, 64, dtype=torch.long)
     for r in results:
-        for pos, tok in enumerate(r.token_ids):
+        for pos, tok in enumerate(r.token_ids[:2]):
             counts[pos, tok] += 1
     return [chi2_pvalue(counts[pos], exact[pos], min_samples=n) for pos in range(2)]
 
