@@ -1,6 +1,6 @@
 """How fast could speculation be here? The best any k policy can do with each drafter, on these prompts, at this
 machine's costs measured in this process: the ceiling that tells a policy's shortfall from the drafter's or
-the backend's (see verispec.apps.bench.bounds for how rounds are worked out from plain decoding).
+the backend's (see bench/bounds.py for how rounds are worked out from plain decoding).
 
 Measured: each prompt's plain greedy decoding and prefill; the target's pass over n = 1 .. k_max + 1 new tokens
 on a warm cache (median of --repeats); a draft model's one-token step and its prefill of each prompt. A first
@@ -33,9 +33,7 @@ import statistics
 import time
 
 import torch
-
-import verispec
-from verispec.apps.bench.bounds import (
+from bounds import (  # bench/bounds.py, beside this script
     Costs,
     Text,
     acceptance_per_depth,
@@ -50,6 +48,8 @@ from verispec.apps.bench.bounds import (
     simulate,
     trace_seconds,
 )
+
+import verispec
 from verispec.apps.bench.loader import answer_history, load_prompts, select
 from verispec.backends.base import Sequence, common_prefix_length
 from verispec.core.sampling import SamplingParams

@@ -1,16 +1,19 @@
-"""verispec.apps.bench.bounds: greedy speculation's rounds worked out from plain decoding equal the engine's real
-rounds, and the oracle is the fastest of all policies."""
+"""bench/bounds.py (beside bench/spec_bounds.py): greedy speculation's rounds worked out from plain decoding equal the
+engine's real rounds, and the oracle is the fastest of all policies."""
 
 from __future__ import annotations
 
 import itertools
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from tiny import make_engine, perturbed, tiny_qwen2
 
-from verispec.apps.bench.bounds import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from bounds import (  # noqa: E402
     Costs,
     Text,
     acceptance_per_depth,
@@ -23,6 +26,7 @@ from verispec.apps.bench.bounds import (
     policy_seconds,
     simulate,
 )
+
 from verispec.backends import HFModel
 from verispec.backends.base import Sequence
 from verispec.core.draft import Draft
