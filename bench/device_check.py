@@ -1,8 +1,9 @@
 """What a CUDA machine with torch and transformers, but no network and no model files, tells of verispec.
 
 1. Exactness on the device (tiny random Qwen2 models, fp32): greedy speculative decoding equals plain decoding, a
-   lone engine and a batch of 4 sequences alike, and rows of one system prompt that copy its cache (computed once); the per-position marginals of sampled speculative decoding equal
-   the target's, computed exactly (chi-square), and a verifier that accepts every draft fails the same test.
+   lone engine and a batch of 4 sequences alike, and rows of one system prompt that copy its cache (computed once);
+   the per-position marginals of sampled speculative decoding equal the target's, computed exactly (chi-square), and
+   a verifier that accepts every draft fails the same test.
 2. Host syncs per round (torch.cuda.set_sync_debug_mode): a lone and a batched engine's rounds, plain and drafting.
 3. Costs on a Qwen2.5-1.5B-shaped random model in bf16 on the lean path: a pass over n = 1..16 tokens on a 512-token
    cache, and batches of B = 1..8 rows of 1 and of 5 tokens, each against one token.

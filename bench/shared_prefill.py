@@ -94,9 +94,10 @@ def main() -> int:
             k = args.k if args.k == "auto" else int(args.k)
             results[way].append(run(engine, prompt, args.n, 100 * t, args.max_new_tokens, k))
         prefill.SHARED_PREFIX = shared_min
+        last = {way: results[way][-1] for way in order}
         print(f"trial {t}: {len(prompt)} prompt tokens; " + "; ".join(
-            f"{way} first tokens {results[way][-1]['first_tokens_seconds']:.2f} s, all {results[way][-1]['seconds']:.2f} s"
-            f", {results[way][-1]['computed']} computed" for way in order), flush=True)
+            f"{way} first tokens {r['first_tokens_seconds']:.2f} s, all {r['seconds']:.2f} s, {r['computed']} computed"
+            for way, r in last.items()), flush=True)
 
     summary = {way: {key: statistics.median(r[key] for r in runs) for key in ("first_tokens_seconds", "seconds",
                                                                            "computed")}
@@ -109,8 +110,9 @@ def main() -> int:
     ratio_all = summary["alone"]["seconds"] / summary["shared"]["seconds"]
     print(f"alone / shared: first tokens {ratio_first:.2f}x, whole request {ratio_all:.2f}x; "
           f"every choice the same both ways in {same}/{args.trials} trials")
-    print(json.dumps({"n": args.n, "k": args.k, "backend": pipe.backend, "summary": summary, "first_tokens_ratio": ratio_first,
-                      "whole_ratio": ratio_all, "identical_trials": same, "trials": args.trials}))
+    print(json.dumps({"n": args.n, "k": args.k, "backend": pipe.backend, "summary": summary,
+                      "first_tokens_ratio": ratio_first, "whole_ratio": ratio_all, "identical_trials": same,
+                      "trials": args.trials}))
     return 0
 
 

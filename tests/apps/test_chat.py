@@ -19,15 +19,18 @@ def pair_dirs(tmp_path_factory):
     return save_tiny_pair(tmp_path_factory.mktemp("chat"))
 
 
-def _bot(pair_dirs, **kwargs) -> ChatBot:
+def _pipe(pair_dirs):
     target, draft = pair_dirs
-    return ChatBot(load(target, draft, drafter="model", k=3, device="cpu", dtype="fp32", backend="hf"), max_new_tokens=40, **kwargs)
+    return load(target, draft, drafter="model", k=3, device="cpu", dtype="fp32", backend="hf")
+
+
+def _bot(pair_dirs, **kwargs) -> ChatBot:
+    return ChatBot(_pipe(pair_dirs), max_new_tokens=40, **kwargs)
 
 
 def _fresh_reply(pair_dirs, messages) -> str:
     """What a brand-new generator (empty caches) answers to the fully rendered history."""
-    target, draft = pair_dirs
-    pipe = load(target, draft, drafter="model", k=3, device="cpu", dtype="fp32", backend="hf")
+    pipe = _pipe(pair_dirs)
     ids = encode_messages(pipe.tokenizer, messages)
     result = pipe.generator.generate(ids, max_new_tokens=40)
     return pipe.tokenizer.decode(result.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -23,8 +23,8 @@ class Model(Protocol):
     [logits_for[b], V], of its last logits_for[b] tokens (default all; last_only: the last one; 0: none, for a
     prompt fed in parts); `rollback(slot, n)` keeps a slot's first n positions; `swap(a, b)`: slots a and b
     exchange their caches and lengths; `copy(src, dst, n)`: slot dst's cache becomes the first n positions of
-    src's (a prompt computed once for several sequences); `reset` forgets one slot, or all. `max_length` is the context of each
-    slot."""
+    src's (a prompt computed once for several sequences); `reset` forgets one slot, or all. `max_length` is the
+    context of each slot."""
 
     device: torch.device
     vocab_size: int
