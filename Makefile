@@ -85,9 +85,10 @@ models:
 	$(PYTHON) -m verispec.apps.cli models pull
 	$(PYTHON) -m verispec.apps.cli models pull smollm2-135m-instruct
 
-# The unit tests run on tiny in-process models, one thread each (tests/conftest.py), so they run in parallel:
-# one pytest-xdist worker per core (at most 8), a test file per worker at a time (its module fixtures built
-# once). The integration tests give every core to one real model and run after them, one at a time.
+# The unit tests run on tiny models, one thread each (in process, and the servers they start: tests/conftest.py),
+# so they run in parallel: one pytest-xdist worker per core (at most 8), a test file per worker at a time (its
+# module fixtures built once); a distribution test decodes its thousands of seeded generations eight at a time
+# (tests/stats_util.py). The integration tests give every core to one real model and run after them, one at a time.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
 UNIT_TESTS = HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration"
 

@@ -46,7 +46,7 @@ class WaysBench(Bench):
         key = ("way", config.name)
         if key not in self._pipelines:
             pipe = build(self.target, self.draft_spec(config), config.k, store=self.store)
-            drafter = pipe.generator.drafter
+            drafter = pipe.engine.drafter
             if not isinstance(drafter, CrossVocabDraft):
                 raise SystemExit("the draft shares the target's tokenizer: there is no way to choose")
             drafter.sampled = config.name

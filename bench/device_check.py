@@ -33,7 +33,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from verispec.backends.lean import LeanBatch, LeanNet  # noqa: E402
 from verispec.core.sampling import SamplingParams, probs_from_logits  # noqa: E402
 from verispec.core.timing import sync  # noqa: E402
-from verispec.decoding.engine import SpeculativeGenerator  # noqa: E402
+from verispec.decoding.engine import SpeculativeEngine  # noqa: E402
 from verispec.decoding.request import Request  # noqa: E402
 from verispec.proposers import DraftModel  # noqa: E402
 
@@ -65,7 +65,7 @@ def engine(target, draft, slots: int, k, eos=()):
     d = None if draft is None else DraftModel(LeanBatch(LeanNet(draft), slots), t.vocab_size)
     from verispec.decoding.policies.cost_aware import CostAwareK
 
-    return SpeculativeGenerator(t, d, eos, k, auto_policy=CostAwareK())
+    return SpeculativeEngine(t, d, eos, k, auto_policy=CostAwareK())
 
 
 def run_batch(eng, requests: list[Request]) -> list:
@@ -117,9 +117,9 @@ def marginals(target, draft, device, always_accept: bool = False, n: int = 3000)
 
     original = rows.rejection_sample
     if always_accept:
-        def accept_all(draft_tokens, draft_probs, target_probs, generator):
+        def accept_all(draft_tokens, draft_probs, target_probs, rng):
             k = draft_tokens.shape[1]
-            bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+            bonus = torch.multinomial(target_probs[:, k], 1, generator=rng).squeeze(-1)
             return torch.full((draft_tokens.shape[0],), k, device=draft_tokens.device), bonus
         rows.rejection_sample = accept_all
     try:

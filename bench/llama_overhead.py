@@ -80,7 +80,7 @@ def main() -> None:
     bench = Bench(TargetSpec("qwen2.5-coder-1.5b-instruct", "llamacpp", "cpu"),
                   DraftSpec("model", "qwen2.5-coder-0.5b-instruct", "llamacpp"))
     pipe = bench.baseline
-    target_ctx = _address(pipe.generator.target._ctx)
+    target_ctx = _address(pipe.engine.target._ctx)
     prompts = select(load_prompts(args.prompts), limit=args.limit)
     params = SamplingParams()
     orders = balanced_orders(len(DECODERS))

@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     pipe = verispec.load(DEFAULT_TARGET, drafter=None, backend="llamacpp")
-    target = pipe.generator.target
+    target = pipe.engine.target
     llm = open_llama(resolve_gguf(DEFAULT_TARGET), n_ctx=max(lengths) + 64)
     rows = []
     for n in lengths:
@@ -69,7 +69,7 @@ def main() -> None:
             target.forward_rows([0], [torch.tensor(ids)], last_only=True)
 
         def engine():
-            pipe.generator.reset()
+            pipe.engine.reset()
             pipe.generate(ids, max_new_tokens=1, k=0)
 
         seconds = {name: timed(fn, args.repeats) for name, fn in

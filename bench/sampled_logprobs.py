@@ -34,13 +34,13 @@ from verispec.proposers.cross_vocab import SAMPLED_WAYS, CrossVocabDraft
 def hf_assisted(bench: Bench, ids: list[int], params: SamplingParams, max_new: int, seed: int) -> list[float]:
     """Transformers' assisted generation of the target with the bench's draft, each new token scored by the target
     (log-softmax of its logits at the temperature)."""
-    model = bench.baseline.generator.target.model
+    model = bench.baseline.engine.target.model
     x = torch.tensor([ids], device=bench.baseline.device)
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
                              assistant_model=bench.hf_draft(), **bench.hf_assistant_tokenizers(),
-                             eos_token_id=sorted(bench.baseline.generator.eos_token_ids) or None,
+                             eos_token_id=sorted(bench.baseline.engine.eos_token_ids) or None,
                              **to_transformers(params))
         new = out[0, len(ids):]
         logits = model(out).logits[0, len(ids) - 1 : -1].float() / params.temperature
@@ -57,7 +57,7 @@ def main() -> None:
                   DraftSpec("model", args.draft, backend=args.backend))
     plain = bench.baseline
     spec = build(bench.target, bench.draft, args.k, store=bench.store)
-    ways = SAMPLED_WAYS if isinstance(spec.generator.drafter, CrossVocabDraft) else ("same tokenizer",)
+    ways = SAMPLED_WAYS if isinstance(spec.engine.drafter, CrossVocabDraft) else ("same tokenizer",)
     arms = ["plain"] + [f"verispec {w}" for w in ways] + (["transformers assisted"] if args.backend == "hf" else [])
     prompts = load_prompts(args.prompts)[: args.limit]
     print(f"{args.target} <- {args.draft} on {args.backend}, T = {args.temperature}, {len(prompts)} prompts x "
@@ -75,11 +75,11 @@ def main() -> None:
                     means.append(statistics.mean(sample))
                     continue
                 pipe = plain if arm == "plain" else spec
-                if isinstance(pipe.generator.drafter, CrossVocabDraft):
-                    pipe.generator.drafter.sampled = arm.split()[-1]
-                pipe.generator.reset()
-                out = pipe.generator.generate(Request(prompt_ids=tuple(ids), params=params,
-                                                      max_new_tokens=args.max_new_tokens, logprobs=0))
+                if isinstance(pipe.engine.drafter, CrossVocabDraft):
+                    pipe.engine.drafter.sampled = arm.split()[-1]
+                pipe.engine.reset()
+                out = pipe.engine.generate(Request(prompt_ids=tuple(ids), params=params,
+                                                   max_new_tokens=args.max_new_tokens, logprobs=0))
                 logprobs += [lp for lp, _ in out.logprobs]
                 means.append(statistics.mean(lp for lp, _ in out.logprobs))
         mean = statistics.mean(logprobs)

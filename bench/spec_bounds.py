@@ -105,11 +105,11 @@ def decode_texts(pipe, prompts, max_new: int, warm_history: bool, draft) -> list
         ids = encode_messages(tok, p.messages()) if p.history else encode_prompt(tok, p.text, p.chat)
         # the conversation before this turn, the last answer included (the cache keeps what they share with ids)
         warm = encode_messages(tok, p.messages()[:-1]) if warm_history and p.history else []
-        pipe.generator.reset()
+        pipe.engine.reset()
         if warm:  # the conversation so far in the target's cache, as in a chat: only the new turn is prefilled
-            pipe.generator.generate(warm, SamplingParams(), max_new_tokens=1, k=0)
-        result = pipe.generator.generate(ids, SamplingParams(), max_new_tokens=max_new, k=0)
-        budget = min(max_new, pipe.generator.target.max_length - len(ids))  # as the engine caps it
+            pipe.engine.generate(warm, SamplingParams(), max_new_tokens=1, k=0)
+        result = pipe.engine.generate(ids, SamplingParams(), max_new_tokens=max_new, k=0)
+        budget = min(max_new, pipe.engine.target.max_length - len(ids))  # as the engine caps it
         cached = min(common_prefix_length(warm, ids), len(ids) - 1)  # what the engine kept of the warm cache
         text = Text(ids, result.token_ids, budget, cached, result.stats.prefill_seconds)
         text.decode = result.stats.seconds - result.stats.prefill_seconds  # plain decoding as timed
@@ -176,7 +176,7 @@ def main() -> None:
     texts = decode_texts(pipe, prompts, args.max_new_tokens, args.warm_history, draft)
 
     context = int(statistics.median(len(t.prompt) + len(t.output) // 2 for t in texts))
-    models = {"target": (Sequence(pipe.generator.target), range(1, args.k_max + 2))}
+    models = {"target": (Sequence(pipe.engine.target), range(1, args.k_max + 2))}
     if use_model:
         models["model"] = (draft, range(1, 2))
     measured = pass_costs(models, context, args.repeats)
@@ -190,7 +190,7 @@ def main() -> None:
           "(the price of a first round's draft)")
     if use_model:
         print(f"# draft step {costs.steps['model'] * 1e3:.1f} ms = {costs.steps['model'] / step:.3f} of a target step")
-    add_rounds(texts, drafters, draft, pipe.generator.target.vocab_size, args.k_max)
+    add_rounds(texts, drafters, draft, pipe.engine.target.vocab_size, args.k_max)
 
     def speedups(sub: list[Text], per_text: list[tuple[float, float]]) -> dict[str, float]:
         """From each text's (decode seconds, draft prefill seconds it pays): decode and end-to-end speedups."""

@@ -112,8 +112,8 @@ class GrammarClock:
 def fresh(pipe) -> None:
     """Before a run: drop the caches (the other configuration's run of the same prompt must not leave its prefill)
     and the suffix drafter's history of earlier answers (nor its answer to copy): each run is a first request."""
-    pipe.generator.reset()
-    drafter = pipe.generator.drafter
+    pipe.engine.reset()
+    drafter = pipe.engine.drafter
     lookups = getattr(getattr(drafter, "lookup", drafter), "lookups", [])
     for history in {id(h): h for h in (getattr(lookup, "history", None) for lookup in lookups) if h}.values():
         history.clear()

@@ -94,7 +94,7 @@ def main() -> None:
     import verispec
 
     pipe = verispec.load(backend="hf", drafter="tree", dtype=args.dtype)
-    target, draft = pipe.generator.target, pipe.draft_model
+    target, draft = pipe.engine.target, pipe.draft_model
     verify = tree_pass_costs(target, [int(x) for x in args.nodes.split(",")])
     steps = frontier_costs(draft, [int(x) for x in args.widths.split(",")])
     print(f"target ({args.dtype}) verify pass over the root + n tree nodes, x one plain step:")

@@ -14,6 +14,14 @@ sys.path[:0] = [HERE] + sorted(os.path.join(HERE, d) for d in os.listdir(HERE)
 ALL_THREADS = torch.get_num_threads()
 
 
+def pytest_configure(config):
+    """A run of the unit tests alone (`-m "not integration"`, as `make test-fast` runs them, a worker per core): the
+    processes its tests start (servers on the tiny models) run one OpenMP thread each, as the tests' own models do
+    (`_threads`)."""
+    if "not integration" in (config.option.markexpr or ""):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Tiny in-process models run on one thread: their kernels are smaller than OpenMP's fork-join, which

@@ -39,17 +39,28 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((emp - probs.double()).abs().sum())
 
 
-def generation_histograms(engine, prompt: list[int], params, n: int, steps: int, vocab_size: int,
-                          seed0: int = 0) -> tuple[torch.Tensor, int, int]:
-    """Token counts [steps, V] per position over n seeded generations of `steps` tokens from one engine (seeds
-    seed0, seed0 + 1, ...), with the drafted and accepted tokens summed over them."""
+def seeded_results(engine, prompt: list[int], params, n: int, steps: int, seed0: int = 0, **fields) -> list:
+    """The GenerationResults of n seeded generations of `steps` tokens from one engine (seeds seed0, seed0 + 1, ...;
+    `fields`: Request's other fields). The engine decodes as many at once as it has slots (a freed slot takes the
+    next seed at once): each row's tokens follow from its own seed, as alone, in fewer passes."""
     from dataclasses import replace
 
+    waiting, rows = list(range(n)), []
+    while waiting or engine.active:
+        while waiting and engine.free_slots:
+            seeded = replace(params, seed=seed0 + waiting.pop(0))
+            rows.append(engine.add(prompt, seeded, max_new_tokens=steps, **fields))
+        engine.step()
+    return [row.result for row in rows]
+
+
+def generation_histograms(engine, prompt: list[int], params, n: int, steps: int, vocab_size: int,
+                          seed0: int = 0) -> tuple[torch.Tensor, int, int]:
+    """Token counts [steps, V] per position over n seeded generations (`seeded_results`), with the drafted and
+    accepted tokens summed over them."""
     counts = torch.zeros(steps, vocab_size, dtype=torch.long)
-    drafted = accepted = 0
-    for i in range(n):
-        out = engine.generate(prompt, replace(params, seed=seed0 + i), max_new_tokens=steps)
-        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
-        for pos, tok in enumerate(out.token_ids):
+    results = seeded_results(engine, prompt, params, n, steps, seed0)
+    for result in results:
+        for pos, tok in enumerate(result.token_ids[:steps]):
             counts[pos, tok] += 1
-    return counts, drafted, accepted
+    return counts, sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results)

@@ -40,31 +40,9 @@ def test_smollm2_chat_answer(capsys):
     assert int4["token_ids"] == plain["token_ids"] and int4["draft_quant"] == "int4"
 
 
-def test_default_pair_greedy_identical_fp32(capsys):
-    """The same token_ids with and without speculation, fp32, one chat prompt."""
-    _need(DEFAULT_TARGET, DEFAULT_DRAFT)
-    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--backend", "hf", "--dtype", "fp32"]
-    spec = _generate(capsys, *common, "--num-draft-tokens", "4")
-    plain = _generate(capsys, *common, "--no-speculation")
-    assert spec["token_ids"] == plain["token_ids"]
-    s = spec["stats"]
-    speedup = s["tokens_per_second"] / plain["stats"]["tokens_per_second"]
-    print(f"\ndefault pair fp32: acceptance {s['acceptance_rate']:.3f}, mean accepted length "
-          f"{s['mean_accepted_length']:.2f}, speedup {speedup:.2f}x (same run)")
-    assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often
-
-
-@pytest.mark.parametrize("backend", ["llamacpp", "hf"])
-def test_smollm2_drafts_for_the_default_target(capsys, backend):
-    """SmolLM2-135M (another tokenizer: 49,152 tokens) drafts for Qwen2.5-Coder-1.5B: greedy output token-identical
-    to plain decoding on the real pair; the draft's tokens are accepted; a sampled run reproduces from its seed."""
-    _need(DEFAULT_TARGET, "smollm2-135m-instruct")
-    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--backend", backend,
-              "--draft", "smollm2-135m-instruct", "--draft-backend", backend, "-k", "4"]
-    if backend == "hf":
-        common += ["--dtype", "fp32"]
-    spec = _generate(capsys, *common)
-    plain = _generate(capsys, *common, "--no-speculation")
+def _check_smollm2_drafts(capsys, common: list[str], spec: dict, plain: dict, backend: str) -> None:
+    """SmolLM2-135M (another tokenizer: 49,152 tokens) drafting: greedy output token-identical to plain decoding; the
+    draft's tokens are accepted; a sampled run reproduces from its seed."""
     assert spec["token_ids"] == plain["token_ids"]
     s = spec["stats"]
     print(f"\nsmollm2 -> default target ({backend}): acceptance {s['acceptance_rate']:.3f}, mean accepted length "
@@ -72,6 +50,32 @@ def test_smollm2_drafts_for_the_default_target(capsys, backend):
     assert s["acceptance_rate"] > 0.3 and "39,237 tokens in common" in spec["shared_vocab"]
     sampled = [_generate(capsys, *common, "--temperature", "0.7", "--seed", "3") for _ in range(2)]
     assert sampled[0]["token_ids"] == sampled[1]["token_ids"] and sampled[0]["stats"]["accepted"] > 0
+
+
+def test_default_target_on_transformers_fp32_greedy_identical_with_each_draft(capsys):
+    """The default target on transformers, fp32, one chat prompt, decoded plainly once: the same token_ids with the
+    default draft (k = 4) and with SmolLM2-135M drafting (another tokenizer)."""
+    _need(DEFAULT_TARGET, DEFAULT_DRAFT, "smollm2-135m-instruct")
+    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--backend", "hf", "--dtype", "fp32"]
+    plain = _generate(capsys, *common, "--no-speculation")
+    spec = _generate(capsys, *common, "--num-draft-tokens", "4")
+    assert spec["token_ids"] == plain["token_ids"]
+    s = spec["stats"]
+    speedup = s["tokens_per_second"] / plain["stats"]["tokens_per_second"]
+    print(f"\ndefault pair fp32: acceptance {s['acceptance_rate']:.3f}, mean accepted length "
+          f"{s['mean_accepted_length']:.2f}, speedup {speedup:.2f}x (same run)")
+    assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often
+    smollm2 = [*common, "--draft", "smollm2-135m-instruct", "--draft-backend", "hf", "-k", "4"]
+    _check_smollm2_drafts(capsys, smollm2, _generate(capsys, *smollm2), plain, "hf")
+
+
+def test_smollm2_drafts_for_the_default_target_on_llama_cpp(capsys):
+    """SmolLM2-135M drafting for the default target, both on llama.cpp (transformers: the test above)."""
+    _need(DEFAULT_TARGET, "smollm2-135m-instruct")
+    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--backend", "llamacpp",
+              "--draft", "smollm2-135m-instruct", "--draft-backend", "llamacpp", "-k", "4"]
+    _check_smollm2_drafts(capsys, common, _generate(capsys, *common), _generate(capsys, *common, "--no-speculation"),
+                          "llamacpp")
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", DEFAULT_DRAFT])

@@ -89,7 +89,7 @@ def test_names_and_catalog_are_torch_free(path):
 def test_the_check_catches_an_upward_import(tmp_path):
     """A core module importing the engine, even inside a function, is reported: the check can fail."""
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from verispec.decoding.engine import SpeculativeGenerator\n")
+    probe.write_text("def f():\n    from verispec.decoding.engine import SpeculativeEngine\n")
     assert upward_imports(probe, "verispec.core.probe") == ["line 2: verispec.decoding.engine (decoding)"]
     assert upward_imports(probe, "verispec.apps.probe") == []
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verispec.backends import HFModel
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.backends.lean import LeanBatch, LeanNet
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.cost_aware import CostAwareK
+from verispec.decoding.request import Committed, GenerationResult
 from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer
 
 
@@ -43,26 +47,46 @@ def perturbed(model, seed: int, noise: float):
     return copy
 
 
-def make_engine(target, draft=None, k: int = 4, eos=(), drafter: str = "model") -> SpeculativeGenerator:
+def make_engine(target, draft=None, k: int = 4, eos=(), drafter: str = "model", slots: int = 1) -> SpeculativeEngine:
     """An engine over transformers models (or Models already): `drafter` model (draft: a model), ngram, hybrid
-    (n-gram matches of >= 2 tokens, else the draft model), or a Drafter or Lookup given as `drafter`."""
-    t = target if hasattr(target, "forward_rows") else HFModel(target)
-    if draft is not None and not hasattr(draft, "forward_rows"):  # a transformers model, else a Model already
-        draft = HFModel(draft)
-    return SpeculativeGenerator(t, drafter_for(drafter, draft, t.vocab_size), eos_token_ids=eos, k=k,
-                                auto_policy=CostAwareK())
+    (n-gram matches of >= 2 tokens, else the draft model), or a Drafter or Lookup given as `drafter`. `slots` > 1:
+    that many sequences at once, the transformers models on the lean path (LeanBatch), which batches."""
+    t, draft = as_model(target, slots), None if draft is None else as_model(draft, slots)
+    return SpeculativeEngine(t, drafter_for(drafter, draft, t.vocab_size, slots), eos_token_ids=eos, k=k,
+                             auto_policy=CostAwareK())
 
 
-def drafter_for(drafter, draft, vocab_size: int):
+def as_model(model, slots: int = 1):
+    """A Model for a transformers model (HFModel; LeanBatch of `slots` where there are several), or the Model given."""
+    if hasattr(model, "forward_rows"):
+        return model
+    return HFModel(model) if slots == 1 else LeanBatch(LeanNet(model), slots)
+
+
+def lone_rounds(engine: SpeculativeEngine, prompt, **fields) -> tuple[Iterator[Committed], GenerationResult]:
+    """One request alone in `engine` (`add`'s arguments): an iterator of its rounds' committed tokens (the engine's
+    `step`, round by round) and its result, filled as they come."""
+    row = engine.add(prompt, **fields)
+
+    def rounds() -> Iterator[Committed]:
+        while not row.done:
+            for _, chunk in engine.step():
+                yield chunk
+
+    return rounds(), row.result
+
+
+def drafter_for(drafter, draft, vocab_size: int, slots: int = 1):
     """A Drafter: a name (model, ngram, hybrid) with `draft` (a Model) where it needs one, a Lookup (one slot), or a
     Drafter as it is."""
     if not isinstance(drafter, str):
         return LookupDrafter([drafter]) if hasattr(drafter, "end") else drafter
     model = DraftModel(draft, vocab_size) if draft is not None else None
     if drafter == "ngram":
-        return LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1)])
+        return LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1) for _ in range(slots)])
     if drafter == "hybrid":
-        return HybridDrafter(LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1, min_confident=2)]), model)
+        lookups = [NgramProposer(max_ngram=3, min_ngram=1, min_confident=2) for _ in range(slots)]
+        return HybridDrafter(LookupDrafter(lookups), model)
     return model
 
 

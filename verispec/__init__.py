@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from verispec.core.sampling import SamplingParams
-from verispec.decoding.engine import GenerationResult, SpeculativeGenerator
+from verispec.decoding.engine import GenerationResult, SpeculativeEngine
 from verispec.decoding.stats import SpecStats
 from verispec.names import __version__
 
@@ -41,5 +41,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "ChatBot", "Completion", "DraftSpec", "GenerationResult", "ModelError", "ModelStore", "Pipeline", "Request",
-    "SamplingParams", "SpecError", "SpecStats", "SpeculativeGenerator", "TargetSpec", "TextStream", "__version__", "build", "load",
+    "SamplingParams", "SpecError", "SpecStats", "SpeculativeEngine", "TargetSpec", "TextStream", "__version__", "build",
+    "load",
 ]

@@ -156,18 +156,18 @@ def test_warm_history_times_a_turn_with_the_conversation_already_cached(pair_dir
     """--warm-history: each run first answers turn 1 itself (untimed), so the timed turn 2 prefills only what
     turn 1 left out of the target's cache (its answer's end and turn 2), not the whole conversation; outputs
     stay the same tokens."""
-    from verispec.decoding.engine import SpeculativeGenerator
+    from verispec.decoding.engine import SpeculativeEngine
 
     bench = _tiny_bench(pair_dirs)
     prompt = Prompt("81", "writing", "Now say it again.", True, ("Say something.",))
-    fed, admit = [], SpeculativeGenerator._admit
+    fed, admit = [], SpeculativeEngine._admit
 
     def recording(self, *args):  # (prompt tokens, those the slot's cache lacks: what the first round feeds)
         row = admit(self, *args)
         fed.append((len(row.seq), len(row.seq) - self.target.lengths[row.slot]))
         return row
 
-    monkeypatch.setattr(SpeculativeGenerator, "_admit", recording)
+    monkeypatch.setattr(SpeculativeEngine, "_admit", recording)
     configs = [Config("verispec k=2", "spec", 2)]
     cold = run_benchmark(bench, [prompt], configs, SamplingParams(), max_new_tokens=6, warmup=0)
     answering = len(fed) - 2  # the history's answer (plain, untimed), then the two timed runs
@@ -585,7 +585,7 @@ def test_bench_configurations_are_pipelines_sharing_models(pair_dirs, monkeypatc
     pipes = {c.name: bench.pipeline(c) for c in configs}
     assert pipes["model k=2"].draft_model is pipes["hybrid k=auto"].draft_model
     assert pipes["model[hf-int8] k=auto"].draft_quant == "int8" and pipes["model k=2"].draft_quant == "int4"
-    policies = {id(pipes[name].generator.k_policy) for name in ("model k=auto", "hybrid k=auto", "model[hf-int8] k=auto")}
+    policies = {id(pipes[name].engine.k_policy) for name in ("model k=auto", "hybrid k=auto", "model[hf-int8] k=auto")}
     assert len(policies) == 3  # each adaptive configuration learns its own costs
     assert pipes["ngram k=3"].draft_model is None and pipes["hf assisted"] is bench.baseline
     assert all(r.identical for r in runs if r.config not in ("plain", "hf assisted"))

@@ -29,10 +29,10 @@ def _bot(pair_dirs, **kwargs) -> ChatBot:
 
 
 def _fresh_reply(pair_dirs, messages) -> str:
-    """What a brand-new generator (empty caches) answers to the fully rendered history."""
+    """What a brand-new engine (empty caches) answers to the fully rendered history."""
     pipe = _pipe(pair_dirs)
     ids = encode_messages(pipe.tokenizer, messages)
-    result = pipe.generator.generate(ids, max_new_tokens=40)
+    result = pipe.engine.generate(ids, max_new_tokens=40)
     return pipe.tokenizer.decode(result.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
@@ -55,7 +55,7 @@ def test_streamed_pieces_equal_final_text(pair_dirs):
 
 def test_later_turns_reuse_the_cached_prefix(pair_dirs):
     bot = _bot(pair_dirs)
-    target = bot.pipeline.generator.target
+    target = bot.pipeline.engine.target
     fed = []  # per target pass: the prompt tokens it fed (a round's pass feeds the unseen prompt, then the k drafts
     # whose logits it keeps along with the prompt's last: k + 1 kept)
     forward = target.forward_rows

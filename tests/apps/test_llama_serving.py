@@ -84,8 +84,9 @@ def test_staggered_batched_requests_equal_their_solo_outputs(pipes, drafter):
 
 
 def test_concurrent_server_answers_equal_lone_answers(pipes):
-    """`verispec serve` on the default backend: four greedy requests sent at once get the answers each gets when
-    it is sent alone (before and after), and /v1/models says the batch's kernels are batch-invariant."""
+    """`verispec serve` on the default backend: four greedy requests sent at once get the answers each got when it
+    was sent alone, and /v1/models says the batch's kernels are batch-invariant. (That the suffix drafter's memory of
+    earlier answers changes no token: the staggered test's second schedule.)"""
     import httpx
     from server_util import ServerProcess
 
@@ -101,8 +102,7 @@ def test_concurrent_server_answers_equal_lone_answers(pipes):
         alone = [ask(q) for q in QUESTIONS[:4]]
         with ThreadPoolExecutor(4) as pool:
             together = list(pool.map(ask, QUESTIONS[:4]))
-        again = [ask(q) for q in QUESTIONS[:4]]
-        assert together == alone == again
+        assert together == alone
         info = httpx.get(server.url + "/v1/models", timeout=10).json()
         setup = json.dumps(info)
         assert "batch-invariant" in setup and "not batch-invariant" not in setup
@@ -126,7 +126,7 @@ def test_fim_prompt_is_llama_servers(pipes):
     import llama_cpp
 
     pipe = pipes["suffix"]
-    llm = pipe.generator.target.llm
+    llm = pipe.engine.target.llm
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     pre, suf, mid, rep, sep = (f(vocab) for f in (llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf,
                                                     llama_cpp.llama_vocab_fim_mid, llama_cpp.llama_vocab_fim_rep,

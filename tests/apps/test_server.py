@@ -409,7 +409,7 @@ def _in_process_app(target_dir: str, tokenizer=None, max_batch: int = 1):
 
     model = AutoModelForCausalLM.from_pretrained(target_dir).float().eval()
     pipeline = verispec.load(model, tokenizer=tokenizer or byte_tokenizer(), drafter=None)
-    return pipeline.generator, create_app(pipeline, ServerSettings(model_names=(MODEL,), max_batch=max_batch))
+    return pipeline.engine, create_app(pipeline, ServerSettings(model_names=(MODEL,), max_batch=max_batch))
 
 
 def _in_process_client(app):
@@ -551,7 +551,7 @@ def test_a_failed_round_answers_its_jobs_and_serving_goes_on(pair_dirs, monkeypa
     assert slots.size == max_batch
     real, calls = slots.step, []
 
-    def failing():  # this server's slots only: no other generator in the process can take the failing call
+    def failing():  # this server's slots only: no other engine in the process can take the failing call
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("boom")

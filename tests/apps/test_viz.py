@@ -40,8 +40,8 @@ def _decode(tok, ids) -> str:
 
 def _engine_sources(pipe, max_new_tokens: int) -> list[str]:
     """Per generated token, DRAFT or TARGET, straight from the engine's committed chunks."""
-    generation = pipe.generator.stream(pipe.encode(PROMPT), max_new_tokens=max_new_tokens)
-    return [source for chunk in generation for source in [DRAFT] * chunk.accepted + [TARGET] * chunk.target]
+    rounds = pipe.stream(pipe.encode(PROMPT), max_new_tokens=max_new_tokens).rounds(text=False)
+    return [source for chunk, _ in rounds for source in [DRAFT] * chunk.accepted + [TARGET] * chunk.target]
 
 
 def _check_pieces(pieces, result) -> None:

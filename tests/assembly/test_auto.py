@@ -69,7 +69,7 @@ def test_the_dtype_defaults_to_the_cpus_choice(pair_dirs, monkeypatch, capsys):
         pipe = build(TargetSpec(target, backend="hf", device="cpu"), DraftSpec("model", draft), 2)
         assert pipe.dtype == dtype and pipe.setup()["dtype"] == dtype
         assert pipe.reason.endswith("; " + choose_dtype(torch.device("cpu"), frozenset(flags))[1])
-        assert pipe.generator.target.model.dtype == torch_dtype
+        assert pipe.engine.target.model.dtype == torch_dtype
     assert build(TargetSpec(target, device="cpu", dtype="bf16"), None).dtype == "bf16"  # asked for: kept, no reason
     assert "bf16" not in build(TargetSpec(target, device="cpu", dtype="bf16"), None).reason
     assert main(["generate", "--target", target, "--no-speculation", "--prompt", "hi", "--max-new-tokens", "2",
@@ -271,7 +271,7 @@ def test_the_end_set_is_the_same_on_every_backend(pair_dirs, monkeypatch):
     # a backend that reports no EOS of its own (as a GGUF whose metadata names none would)
     monkeypatch.setitem(BACKENDS, "bare", Backend(lambda r: (BACKENDS["hf"].load(r)[0], []), True, True))
     bare = build(TargetSpec(target, backend="bare", device="cpu", dtype="fp32"), None, 0)
-    assert hf.generator.eos_token_ids == bare.generator.eos_token_ids == expected
+    assert hf.engine.eos_token_ids == bare.engine.eos_token_ids == expected
 
 
 # -- warm-up ---------------------------------------------------------------------------------------------
@@ -304,8 +304,8 @@ def test_the_store_warms_up_each_model_once(pair_dirs, monkeypatch):
     t = TargetSpec(target, device="cpu", dtype="fp32")
     a = build(t, DraftSpec("model", draft), 2, store=store)
     b = build(t, DraftSpec("hybrid", draft), 3, store=store)
-    assert warmed == [a.generator.target, a.draft_model] and b.draft_model is a.draft_model
-    assert a.generator.target.lengths == [0] and a.draft_model.lengths == [0]
+    assert warmed == [a.engine.target, a.draft_model] and b.draft_model is a.draft_model
+    assert a.engine.target.lengths == [0] and a.draft_model.lengths == [0]
 
 
 # -- on real models ----------------------------------------------------------------------------------------
@@ -348,7 +348,7 @@ def test_auto_on_this_cpu_runs_llama_cpp_exactly():
     assert (pipe.backend, pipe.drafter, pipe.k) == ("llamacpp", DEFAULTS["llamacpp"].drafter, DEFAULTS["llamacpp"].k)
     assert pipe.reason.startswith("llama.cpp: CPU, llama-cpp-python installed")
     hf = verispec.load(SMOLLM, backend="hf", dtype="fp32", drafter=None)
-    assert hf.generator.eos_token_ids == pipe.generator.eos_token_ids  # the same end set on both backends
+    assert hf.engine.eos_token_ids == pipe.engine.eos_token_ids  # the same end set on both backends
     plain = verispec.load(SMOLLM, drafter=None, device="cpu")
     messages = [{"role": "user", "content": "Name three colours."}]
     spec = pipe.generate(messages, max_new_tokens=96)
@@ -362,14 +362,14 @@ def _llama_cpp_python_greedy(pipe, prompt, n: int) -> list[int]:
     it: at a token llama.cpp marks end-of-generation (kept here, as verispec keeps its EOS), or after n."""
     import llama_cpp
 
-    llm = pipe.generator.target.llm
+    llm = pipe.engine.target.llm
     out: list[int] = []
     for token in llm.generate(pipe.encode(prompt), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
         out.append(int(token))
         if len(out) == n or llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
             break
     llm.reset()
-    pipe.generator.reset()
+    pipe.engine.reset()
     return out
 
 
@@ -406,5 +406,5 @@ def test_both_backends_stop_where_llama_cpp_stops():
     assert ended.finish_reason == "stop" and ended.token_ids[-1] == end != llama.tokenizer.eos_token_id
     assert ended.token_ids == _llama_cpp_python_greedy(llama, prompt, 48)
     hf = verispec.load(name, backend="hf", dtype="fp32", drafter=None)
-    assert hf.generator.eos_token_ids == llama.generator.eos_token_ids
+    assert hf.engine.eos_token_ids == llama.engine.eos_token_ids
     assert hf.generate(prompt, max_new_tokens=48).token_ids == ended.token_ids

@@ -188,19 +188,19 @@ def test_store_loads_each_model_once(pair_dirs, monkeypatch):
     b = build(t, DraftSpec("hybrid", draft), "auto", store=store)
     plain = build(t, None, 0, store=store)
     assert sorted(loads) == sorted([target, draft])
-    assert a.generator.target is b.generator.target is plain.generator.target
+    assert a.engine.target is b.engine.target is plain.engine.target
     assert a.draft_model is b.draft_model is not None
-    assert a.generator.k_policy is not b.generator.k_policy  # each pipeline learns its own k
+    assert a.engine.k_policy is not b.engine.k_policy  # each pipeline learns its own k
     build(t, DraftSpec("model", draft, quant="int8"), 2, store=store)  # another draft setup: loaded anew
     assert loads.count(draft) == 2
     same = build(t, DraftSpec("model", target), 2, store=store)
-    assert same.draft_model is not same.generator.target
+    assert same.draft_model is not same.engine.target
     # the reset rule: a pipeline reset after another used the shared models generates as a fresh one does
     ids = list(a.tokenizer("hello").input_ids)
-    fresh = build(t, DraftSpec("hybrid", draft), "auto").generator.generate(ids, max_new_tokens=12).token_ids
-    a.generator.generate(ids[:2], max_new_tokens=12)
-    b.generator.reset()
-    assert b.generator.generate(ids, max_new_tokens=12).token_ids == fresh
+    fresh = build(t, DraftSpec("hybrid", draft), "auto").engine.generate(ids, max_new_tokens=12).token_ids
+    a.engine.generate(ids[:2], max_new_tokens=12)
+    b.engine.reset()
+    assert b.engine.generate(ids, max_new_tokens=12).token_ids == fresh
 
 
 def _fake_meta(layers=24, heads=14, kv_heads=2, embedding=896, trained=32768, **extra):

@@ -124,7 +124,7 @@ def test_lean_draft_loop_marginals(small_vocab_pair):
     """Sampling with a lean int4 draft: tokens 1-3 follow the target's exact marginals (N = 3000, V = 8;
     false-failure probability 3e-4)."""
     target, draft = small_vocab_pair
-    lean = lean_model(copy.deepcopy(draft))
+    lean = LeanBatch(LeanNet(copy.deepcopy(draft)), 8)  # one slot per sequence _engine_histograms decodes at once
     quantize_model(lean.net, "int4")
     params = SamplingParams(temperature=1.0)
     exact = _exact_marginals(target, [3, 1, 2], params, 3)

@@ -80,16 +80,16 @@ def test_models_verispec_loads_are_oriented_in_fp32_only(pair_dirs, any_weight):
     target, draft = pair_dirs
     pipe = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"),
                  DraftSpec("model", draft, quant="none", forward="lean"), 4)
-    assert isinstance(pipe.generator.target, HFModel) and isinstance(pipe.draft_model, LeanBatch)
-    for module in (pipe.generator.target.model, pipe.draft_model.net):  # the lean net's fused layers too
+    assert isinstance(pipe.engine.target, HFModel) and isinstance(pipe.draft_model, LeanBatch)
+    for module in (pipe.engine.target.model, pipe.draft_model.net):  # the lean net's fused layers too
         kinds = _linears(module)
         assert kinds and set(kinds) == {OrientedLinear}
     quantized = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"),
                       DraftSpec("model", draft, quant="int4", forward="lean"), 4)
-    assert set(_linears(quantized.generator.target.model)) == {OrientedLinear}
+    assert set(_linears(quantized.engine.target.model)) == {OrientedLinear}
     assert any(isinstance(m, Int4Linear) for m in quantized.draft_model.net.modules())
     bf16 = build(TargetSpec(target, backend="hf", device="cpu", dtype="bf16"), None, 0)  # bf16: F.linear
-    assert set(_linears(bf16.generator.target.model)) == {nn.Linear}
+    assert set(_linears(bf16.engine.target.model)) == {nn.Linear}
 
 
 def test_a_model_the_caller_loaded_is_left_as_it_is(pair_dirs, any_weight):
@@ -98,13 +98,13 @@ def test_a_model_the_caller_loaded_is_left_as_it_is(pair_dirs, any_weight):
     target, _ = pair_dirs
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     pipe = build(TargetSpec(model, tokenizer=AutoTokenizer.from_pretrained(target), device="cpu"), None, 0)
-    assert pipe.generator.target.model is model and set(_linears(model)) == {nn.Linear}
+    assert pipe.engine.target.model is model and set(_linears(model)) == {nn.Linear}
 
 
 def test_small_weights_keep_f_linear(pair_dirs):
     target, _ = pair_dirs
     pipe = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"), None, 0)
-    layer = pipe.generator.target.model.lm_head  # the tiny model's weights are small
+    layer = pipe.engine.target.model.lm_head  # the tiny model's weights are small
     assert type(layer) is OrientedLinear and layer.weight.numel() < ORIENT_MIN_WEIGHT
     x = torch.randn(5, layer.in_features)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # F.linear itself, bitwise
@@ -116,7 +116,7 @@ def test_greedy_speculation_through_oriented_layers_is_plain_decoding(pair_dirs,
     spec = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"),
                  DraftSpec(drafter, draft, quant="none", forward="lean"), k)
     plain = build(TargetSpec(target, backend="hf", device="cpu", dtype="fp32"), None, 0)
-    target_model = spec.generator.target
+    target_model = spec.engine.target
     assert OrientedLinear in set(_linears(getattr(target_model, "net", None) or target_model.model))
     accepted = 0
     for prompt in ("ab", "hello there", "x" * 40):

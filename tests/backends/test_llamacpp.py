@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
-from stats_util import chi2_pvalue
+from stats_util import chi2_pvalue, generation_histograms
 
 from verispec import SamplingParams
 from verispec.backends import HFModel, Sequence
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.backends.lean import LeanBatch, LeanNet
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.cost_aware import CostAwareK
-from verispec.decoding.request import Request
 from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer
 
 pytestmark = pytest.mark.integration
@@ -59,6 +59,13 @@ def tokenizer(paths):
 @pytest.fixture(scope="module")
 def prompt(tokenizer):
     return tokenizer(TEXT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def short_prompt(tokenizer):
+    """The distribution tests' prompt: a seeded row prefills its draft anew (as it must: its draws may not depend on
+    what ran before it), so hundreds of generations each pay that prefill."""
+    return tokenizer(TEXT[: TEXT.index(":") + 1])["input_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +193,7 @@ def test_plain_decoding_evaluates_what_llama_cpp_python_does(llama, prompt, monk
     theirs = sizes[:]
     sizes.clear()
     llama.reset()
-    ours = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=n).token_ids
+    ours = SpeculativeEngine(llama).generate(prompt, max_new_tokens=n).token_ids
     assert ours == reference
     assert sizes == theirs == [len(prompt)] + [1] * (n - 1)
 
@@ -200,13 +207,13 @@ def test_llama_target_greedy_identical(llama, llama_draft, hf_model, prompt, dra
     """A llama.cpp target with each drafter: the same tokens as plain decoding through the same backend
     (k = 0) and as llama-cpp-python's own greedy decoding."""
     n = 40
-    plain = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=n)
+    plain = SpeculativeEngine(llama).generate(prompt, max_new_tokens=n)
     reference = _plain_llama_cpp(llama.llm, prompt, n)
     llama.reset()
     model_drafter = DraftModel(llama_draft if drafter == "llama" else HFModel(hf_model), llama.vocab_size)
     lookup = LookupDrafter([NgramProposer()])
     chosen = {"ngram": lookup, "hybrid": HybridDrafter(lookup, model_drafter)}.get(drafter, model_drafter)
-    spec = SpeculativeGenerator(llama, chosen, k=k).generate(prompt, max_new_tokens=n)
+    spec = SpeculativeEngine(llama, chosen, k=k).generate(prompt, max_new_tokens=n)
     assert plain.token_ids == reference
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted > 0
@@ -218,17 +225,17 @@ def test_llama_target_greedy_identical(llama, llama_draft, hf_model, prompt, dra
 def test_llama_draft_hf_target_greedy_identical(llama_draft, hf_model, prompt, k):
     """Mixed backends: llama.cpp drafts for a transformers target; output = the transformers target's."""
     target = HFModel(hf_model)
-    plain = SpeculativeGenerator(target).generate(prompt, max_new_tokens=40)
+    plain = SpeculativeEngine(target).generate(prompt, max_new_tokens=40)
     drafter = DraftModel(llama_draft, target.vocab_size)
-    spec = SpeculativeGenerator(target, drafter, k=k).generate(prompt, max_new_tokens=40)
+    spec = SpeculativeEngine(target, drafter, k=k).generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.acceptance_rate > 0.5
 
 
 def test_auto_k_on_llama(llama, llama_draft, prompt):
     drafter = DraftModel(llama_draft, llama.vocab_size)
-    plain = SpeculativeGenerator(llama).generate(prompt, max_new_tokens=40)
-    spec = SpeculativeGenerator(llama, drafter, k="auto", auto_policy=CostAwareK())
+    plain = SpeculativeEngine(llama).generate(prompt, max_new_tokens=40)
+    spec = SpeculativeEngine(llama, drafter, k="auto", auto_policy=CostAwareK())
     spec = spec.generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
 
@@ -258,103 +265,59 @@ def _marginals(model, prompt: list[int], params: SamplingParams, steps: int = 3)
     return marginals
 
 
-def _histograms(engine, prompt, params, n, steps=3, seed0=0):
-    counts = torch.zeros(steps, engine.target.vocab_size, dtype=torch.long)
-    for i in range(n):
-        out = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed0 + i}), max_new_tokens=steps)
-        for pos, tok in enumerate(out.token_ids):
-            counts[pos, tok] += 1
-    return counts
-
-
 PARAMS = SamplingParams(temperature=1.0, top_k=8)
 N_GEN = 400  # the draft is far from the target (TV ~0.8): the negative control fails at a glance
 # every generation reaches the three positions counted (token 1 from the prefill, token 2 the first draft's, token
 # 3 its bonus or the next round's); top-k 8 leaves 8 categories, so 400 samples resolve TV ~0.1
+SLOTS = 4  # generations decoded at once, in one context: each row's tokens follow from its own seed, as alone
 
 
-def test_llama_target_marginals(llama, noisy_hf, prompt):
-    """llama.cpp target, noisy transformers draft, T = 1, top-k 8: tokens 1-3 follow the target's exact
-    marginals (N = 400 generations, V = 49,152 pooled by expected count; detects TV >= ~0.1;
+def _histograms(engine, prompt, params, n, seed0=0):
+    """Counts [3, V] of the first three tokens of n seeded generations, SLOTS at a time."""
+    return generation_histograms(engine, prompt, params, n, 3, engine.target.vocab_size, seed0)[0]
+
+
+def _llama_target_engine(llama, noisy_hf) -> SpeculativeEngine:
+    """The llama.cpp target, SLOTS sequences in one context, each with a noisy lean draft (a draft that agrees with
+    the GGUF often, not always: acceptance and recovery both exercised)."""
+    draft = DraftModel(LeanBatch(LeanNet(noisy_hf), SLOTS), llama.vocab_size)
+    return SpeculativeEngine(llama.with_slots(SLOTS), draft, k=2)
+
+
+def test_llama_target_marginals(llama, noisy_hf, short_prompt):
+    """llama.cpp target, noisy draft, T = 1, top-k 8, four sequences sharing each pass: every row's tokens 1-3 follow
+    the target's exact marginals (N = 400 generations, V = 49,152 pooled by expected count; detects TV >= ~0.1;
     false-failure probability 3e-4)."""
-    exact = _marginals(llama, prompt, PARAMS)
-    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), k=2)
-    counts = _histograms(engine, prompt, PARAMS, n=N_GEN)
-    assert 0.2 < engine_acceptance(engine, prompt) < 0.98  # both paths exercised
+    exact = _marginals(llama, short_prompt, PARAMS)
+    engine = _llama_target_engine(llama, noisy_hf)
+    counts = _histograms(engine, short_prompt, PARAMS, n=N_GEN, seed0=90_000)
+    assert 0.2 < engine_acceptance(engine, short_prompt) < 0.98  # both paths exercised
     for pos in range(3):
         assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
 
 
-def test_llama_draft_marginals(llama_draft, noisy_hf, prompt):
-    """Mixed: a llama.cpp draft for a (noisy) transformers target; tokens 1-3 follow the target's marginals."""
-    target = HFModel(noisy_hf)
-    exact = _marginals(target, prompt, PARAMS)
-    engine = SpeculativeGenerator(target, DraftModel(llama_draft, target.vocab_size), k=2)
-    counts = _histograms(engine, prompt, PARAMS, n=N_GEN, seed0=50_000)
+def test_llama_draft_marginals(llama_draft, noisy_hf, short_prompt):
+    """Mixed: a llama.cpp draft (four sequences in one context) for a noisy target on the transformers weights (the
+    lean path); tokens 1-3 follow the target's marginals."""
+    target = LeanBatch(LeanNet(noisy_hf), SLOTS)
+    exact = _marginals(target, short_prompt, PARAMS)
+    engine = SpeculativeEngine(target, DraftModel(llama_draft.with_slots(SLOTS), target.vocab_size), k=2)
+    counts = _histograms(engine, short_prompt, PARAMS, n=N_GEN, seed0=50_000)
     for pos in range(3):
         assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
 
 
-def test_llama_negative_control_fails(llama, noisy_hf, prompt, monkeypatch):
-    """The same test on a verifier that accepts every draft must fail: it emits the draft's marginals."""
+def test_llama_negative_control_fails(llama, noisy_hf, short_prompt, monkeypatch):
+    """The target's test on a verifier that accepts every draft must fail: it emits the draft's marginals."""
 
-    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    def always_accept(draft_tokens, draft_probs, target_probs, rng):
         k = draft_tokens.shape[1]
-        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=rng).squeeze(-1)
         return torch.full((draft_tokens.shape[0],), k), bonus
 
-    exact = _marginals(llama, prompt, PARAMS)
+    exact = _marginals(llama, short_prompt, PARAMS)
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
-    engine = SpeculativeGenerator(llama, DraftModel(HFModel(noisy_hf), llama.vocab_size), k=2)
-    counts = _histograms(engine, prompt, PARAMS, n=N_GEN // 2)
-    assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN // 2) for pos in range(3)) < ALPHA
-
-
-def _batched_histograms(engine, prompt, params, n, steps=3, seed0=0):
-    """The first `steps` tokens of n generations, decoded `engine.max_batch` at a time in one engine (each its own
-    seed), the slots refilled as rows finish."""
-    counts = torch.zeros(steps, engine.target.vocab_size, dtype=torch.long)
-    waiting, rows = list(range(n)), []
-    while waiting or engine.active:
-        while waiting and engine.free_slots:
-            i = waiting.pop()
-            seeded = SamplingParams(**{**params.__dict__, "seed": seed0 + i})
-            rows.append(engine.add(Request(prompt_ids=tuple(prompt), params=seeded, max_new_tokens=steps)))
-        engine.step()
-    for row in rows:
-        for pos, tok in enumerate(row.result.token_ids):
-            counts[pos, tok] += 1
-    return counts
-
-
-def _batch_engine(llama, noisy_hf, slots: int = 4) -> SpeculativeGenerator:
-    from verispec.backends.lean import LeanBatch, LeanNet
-
-    draft = DraftModel(LeanBatch(LeanNet(noisy_hf), slots), llama.vocab_size)
-    return SpeculativeGenerator(llama.with_slots(slots), draft, k=2)
-
-
-def test_llama_batch_marginals_per_row(llama, noisy_hf, prompt):
-    """Four sequences at a time in one llama.cpp context (a noisy lean draft for each): every row's tokens 1-3
-    follow the target's exact marginals (N = 400 generations; detects TV >= ~0.1; false-failure probability
-    3e-4)."""
-    exact = _marginals(llama, prompt, PARAMS)
-    counts = _batched_histograms(_batch_engine(llama, noisy_hf), prompt, PARAMS, n=N_GEN, seed0=90_000)
-    for pos in range(3):
-        assert chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN) > ALPHA, pos
-
-
-def test_llama_batch_negative_control_fails(llama, noisy_hf, prompt, monkeypatch):
-    """The batched test on a verifier that accepts every draft must fail."""
-
-    def always_accept(draft_tokens, draft_probs, target_probs, generator):
-        k = draft_tokens.shape[1]
-        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
-        return torch.full((draft_tokens.shape[0],), k), bonus
-
-    exact = _marginals(llama, prompt, PARAMS)
-    monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
-    counts = _batched_histograms(_batch_engine(llama, noisy_hf), prompt, PARAMS, n=N_GEN // 2)
+    counts = _histograms(_llama_target_engine(llama, noisy_hf), short_prompt, PARAMS, n=N_GEN // 2)
     assert min(chi2_pvalue(counts[pos], exact[pos], min_samples=N_GEN // 2) for pos in range(3)) < ALPHA
 
 

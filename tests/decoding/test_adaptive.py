@@ -706,7 +706,7 @@ def test_engine_learns_costs_before_the_draft_runs(target):
     first token), a plain pass, a filler pass (2 tokens) on the target before the draft model runs at all; its
     first pass is a single timed step. The output is plain decoding's."""
     from verispec.backends import HFModel
-    from verispec.decoding.engine import SpeculativeGenerator
+    from verispec.decoding.engine import SpeculativeEngine
     from verispec.proposers import DraftModel
 
     log = []
@@ -724,7 +724,7 @@ def test_engine_learns_costs_before_the_draft_runs(target):
     plain = make_engine(target).generate(prompt, max_new_tokens=30).token_ids
     t = Logged(target, "T")
     draft = DraftModel(Logged(perturbed(target, seed=2, noise=0.05), "D"), t.vocab_size)
-    eng = SpeculativeGenerator(t, draft, k="auto", auto_policy=CostAwareK())
+    eng = SpeculativeEngine(t, draft, k="auto", auto_policy=CostAwareK())
     assert eng.generate(prompt, max_new_tokens=30).token_ids == plain
     assert log[:4] == [("T", 8), ("T", 1), ("T", 2), ("D", 1)]
 
@@ -747,7 +747,7 @@ def test_engine_benches_a_draft_with_costs_the_estimates_miss(target):
     import time
 
     from verispec.backends import HFModel
-    from verispec.decoding.engine import SpeculativeGenerator
+    from verispec.decoding.engine import SpeculativeEngine
     from verispec.proposers import DraftModel
 
     class SlowTarget(HFModel):
@@ -762,8 +762,8 @@ def test_engine_benches_a_draft_with_costs_the_estimates_miss(target):
 
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = make_engine(target).generate(prompt, max_new_tokens=50).token_ids
-    eng = SpeculativeGenerator(SlowTarget(target), SlowRollback(HFModel(target), target.config.vocab_size),
-                               k="auto", auto_policy=CostAwareK())
+    eng = SpeculativeEngine(SlowTarget(target), SlowRollback(HFModel(target), target.config.vocab_size),
+                            k="auto", auto_policy=CostAwareK())
     rounds = []  # (k planned, the gate benched after the round)
     probes = []  # the rounds that were probes (k = 1 while the estimates said no: measured, not judged)
     real = eng.k_policy.observe

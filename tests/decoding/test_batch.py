@@ -18,7 +18,7 @@ from verispec.backends.base import Sequence
 from verispec.backends.lean import LeanBatch, LeanNet
 from verispec.core.sampling import SamplingParams
 from verispec.decoding import engine as engine_module
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.decoding.request import Request
 from verispec.proposers import DraftModel, LookupDrafter, NgramProposer
@@ -32,15 +32,15 @@ def pair():
     return target, perturbed(target, seed=2, noise=0.3)
 
 
-def make_batch(target, draft, slots, k=4, eos=(EOS,), drafter="model") -> SpeculativeGenerator:
+def make_batch(target, draft, slots, k=4, eos=(EOS,), drafter="model") -> SpeculativeEngine:
     """An engine of `slots` slots on the lean path (target and draft each a LeanBatch of that many slots)."""
     drafter_ = None
     if drafter == "model":
         drafter_ = DraftModel(LeanBatch(LeanNet(draft), slots), target.config.vocab_size)
     elif drafter == "ngram":
         drafter_ = LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1) for _ in range(slots)])
-    return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), drafter_, eos_token_ids=eos, k=k,
-                                auto_policy=CostAwareK())
+    return SpeculativeEngine(LeanBatch(LeanNet(target), slots), drafter_, eos_token_ids=eos, k=k,
+                             auto_policy=CostAwareK())
 
 
 def run_all(batch, reqs):
@@ -152,7 +152,7 @@ def test_requests_joining_a_running_batch(pair, drafter):
         assert result.token_ids == plain_greedy(target, req["prompt_ids"], req["max_new_tokens"])
 
 
-def _record_target_passes(batch: SpeculativeGenerator) -> list[tuple[list[int], list[int]]]:
+def _record_target_passes(batch: SpeculativeEngine) -> list[tuple[list[int], list[int]]]:
     """(rows' feed sizes, rows' kept logits) of every target pass the batch makes from now on."""
     passes, real = [], batch.target.forward_rows
 
@@ -405,9 +405,9 @@ def test_batch_negative_control_fails(small_vocab_pair, monkeypatch):
     """The same test with a verifier that accepts every draft must fail."""
     target, draft = small_vocab_pair
 
-    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    def always_accept(draft_tokens, draft_probs, target_probs, rng):
         k = draft_tokens.shape[1]
-        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=rng).squeeze(-1)
         return torch.full((draft_tokens.shape[0],), k), bonus
 
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
@@ -468,8 +468,8 @@ def test_seed_reproduces_with_a_quantised_draft_among_many_mates():
     quantize_model(net, "int4")
 
     def batch(slots):
-        return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), DraftModel(LeanBatch(net, slots), 264),
-                                    eos_token_ids=(), k=3)
+        return SpeculativeEngine(LeanBatch(LeanNet(target), slots), DraftModel(LeanBatch(net, slots), 264),
+                                 eos_token_ids=(), k=3)
 
     mine = dict(prompt_ids=[5, 6, 7], params=SamplingParams(temperature=1.0, seed=9), max_new_tokens=24)
     alone = run_all(batch(1), [mine])[0].token_ids
@@ -488,8 +488,8 @@ def test_seed_reproduces_whatever_ran_before_in_the_slots():
     target, draft, _ = text_pair()
     net = LeanNet(draft)
     quantize_model(net, "int4")
-    engine = SpeculativeGenerator(LeanBatch(LeanNet(target), 4), DraftModel(LeanBatch(net, 4), 264),
-                                  eos_token_ids=(), k=4)
+    engine = SpeculativeEngine(LeanBatch(LeanNet(target), 4), DraftModel(LeanBatch(net, 4), 264),
+                               eos_token_ids=(), k=4)
     reqs = [dict(prompt_ids=list(range(40, 100)), params=SamplingParams(temperature=1.0, seed=7 + i),
                  max_new_tokens=16) for i in range(3)]
     first = run_all(engine, reqs)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats_util import chi2_pvalue
-from tiny import make_engine, perturbed, tiny_qwen2
+from stats_util import chi2_pvalue, generation_histograms
+from tiny import lone_rounds, make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
 from verispec.backends import HFModel, Sequence
@@ -134,8 +134,7 @@ def test_first_token_does_not_wait_for_the_draft(pair):
     engine = make_engine(target, target, k=4)  # the target as its own draft: every draft is accepted
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     for _ in range(2):  # the second time the draft's cache holds the prompt
-        gen = engine.stream(prompt, max_new_tokens=16)
-        chunks = list(gen)
+        chunks = list(lone_rounds(engine, prompt, max_new_tokens=16)[0])
         assert [len(c) for c in chunks[:2]] == [1, 5] and chunks[0].accepted == 0
     lookup = make_engine(target, None, k=3, drafter="ngram")
     lookup.target = counting = _Counting(lookup.target)
@@ -209,9 +208,9 @@ def test_stop_callback_truncates(pair):
 
 def test_stream_chunks_concatenate_to_result(pair):
     target, draft = pair
-    gen = make_engine(target, draft, k=4).stream([1, 2, 3], max_new_tokens=25)
-    chunks = list(gen)
-    assert [t for chunk in chunks for t in chunk] == gen.result.token_ids
+    rounds, result = lone_rounds(make_engine(target, draft, k=4), [1, 2, 3], max_new_tokens=25)
+    chunks = list(rounds)
+    assert [t for chunk in chunks for t in chunk] == result.token_ids
     assert all(1 <= len(c) <= 5 for c in chunks)
 
 
@@ -221,12 +220,12 @@ def test_stream_chunks_carry_provenance(pair, stop_at):
     cut the round, the target produced. Over a stream they add up to the accepted count and the tokens."""
     target, draft = pair
     stop = (lambda generated: stop_at if len(generated) >= stop_at else None) if stop_at else None
-    gen = make_engine(target, draft, k=4).stream([1, 2, 3], max_new_tokens=25, stop=stop)
-    chunks = list(gen)
+    rounds, result = lone_rounds(make_engine(target, draft, k=4), [1, 2, 3], max_new_tokens=25, stop=stop)
+    chunks = list(rounds)
     assert all(0 <= c.accepted <= len(c) and c.target == len(c) - c.accepted for c in chunks)
     assert all(c.target == 1 for c in chunks[:-1]) and chunks[-1].target <= 1
-    assert sum(c.accepted for c in chunks) == gen.result.stats.accepted
-    assert sum(c.accepted + c.target for c in chunks) == len(gen.result.token_ids)
+    assert sum(c.accepted for c in chunks) == result.stats.accepted
+    assert sum(c.accepted + c.target for c in chunks) == len(result.token_ids)
     assert sum(c.accepted for c in chunks) > 0  # the perturbed draft is accepted often
 
 
@@ -290,15 +289,9 @@ def _exact_marginals(model, prompt: list[int], params: SamplingParams, steps: in
 
 
 def _engine_histograms(target, draft, params, n, k, steps, seed0):
-    """Histograms of the first `steps` tokens of n seeded generations from [3, 1, 2]."""
-    V = target.config.vocab_size
-    counts = torch.zeros(steps, V, dtype=torch.long)
-    eng = make_engine(target, draft, k=k)
-    for i in range(n):
-        out = eng.generate([3, 1, 2], SamplingParams(**{**params.__dict__, "seed": seed0 + i}), max_new_tokens=steps)
-        for pos, tok in enumerate(out.token_ids):
-            counts[pos, tok] += 1
-    return counts
+    """Histograms of the first `steps` tokens of n seeded generations from [3, 1, 2], eight at a time."""
+    eng = make_engine(target, draft, k=k, slots=8)
+    return generation_histograms(eng, [3, 1, 2], params, n, steps, target.config.vocab_size, seed0)[0]
 
 
 @pytest.fixture(scope="module")
@@ -353,9 +346,9 @@ def test_loop_negative_control_fails(small_vocab_pair, monkeypatch):
     target, draft = small_vocab_pair
     params = SamplingParams(temperature=1.0)
 
-    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    def always_accept(draft_tokens, draft_probs, target_probs, rng):
         k = draft_tokens.shape[1]
-        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=rng).squeeze(-1)
         return torch.full((draft_tokens.shape[0],), k), bonus
 
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)

@@ -15,12 +15,13 @@ import string
 
 import pytest
 import torch
-from stats_util import chi2_pvalue, total_variation
-from tiny import byte_tokenizer, make_engine, perturbed, tiny_qwen2
+from stats_util import chi2_pvalue, generation_histograms, total_variation
+from tiny import as_model, byte_tokenizer, make_engine, perturbed, tiny_qwen2
 
 from verispec.backends import HFModel
+from verispec.backends.lean import LeanBatch, LeanNet
 from verispec.core.sampling import SamplingParams, probs_from_logits
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.pipeline.text import TextAssembler
 from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer
@@ -30,6 +31,7 @@ N = 6000
 STEPS = 3
 PROMPT = [3, 1, 2]
 TV_RESOLUTION = 0.03
+SLOTS = 8  # generations decoded at once: each row follows from its own seed, as alone (tests/decoding/test_batch.py)
 
 
 class MappedLogits:
@@ -88,14 +90,9 @@ def hf_logits(model, fn=lambda logits: logits):
     return logits_fn
 
 
-def histograms(engine: SpeculativeGenerator, params: SamplingParams, n: int = N, seed0: int = 0) -> torch.Tensor:
-    """counts [STEPS, V] of the tokens emitted at each position over n seeded generations."""
-    counts = torch.zeros(STEPS, engine.target.vocab_size, dtype=torch.long)
-    for i in range(n):
-        out = engine.generate(PROMPT, SamplingParams(**{**params.__dict__, "seed": seed0 + i}), max_new_tokens=STEPS)
-        for pos, tok in enumerate(out.token_ids[:STEPS]):
-            counts[pos, tok] += 1
-    return counts
+def histograms(engine: SpeculativeEngine, params: SamplingParams, n: int = N, seed0: int = 0) -> torch.Tensor:
+    """counts [STEPS, V] of the tokens emitted at each position over n seeded generations (SLOTS at a time)."""
+    return generation_histograms(engine, PROMPT, params, n, STEPS, engine.target.vocab_size, seed0)[0]
 
 
 def assert_marginals(counts: torch.Tensor, exact: list[torch.Tensor]) -> None:
@@ -112,7 +109,7 @@ def pair():
 
 
 def _engine(target, drafter, k=2):
-    return SpeculativeGenerator(target, drafter, k=k, auto_policy=CostAwareK())
+    return SpeculativeEngine(target, drafter, k=k, auto_policy=CostAwareK())
 
 
 # -- the loop's marginals under each sampling option and draft kind ---------------------------------------
@@ -123,7 +120,8 @@ def test_top_p_with_tied_logits(pair):
     2-5 of 8 tokens, and a verify row (k + 1 rows at once) must cut exactly as plain decoding's one row."""
     target, draft = pair
     params = SamplingParams(temperature=1.0, top_p=0.6)
-    engine = _engine(MappedLogits(HFModel(target), rounded), DraftModel(MappedLogits(HFModel(draft), rounded), 8))
+    engine = _engine(MappedLogits(as_model(target, SLOTS), rounded),
+                     DraftModel(MappedLogits(as_model(draft, SLOTS), rounded), 8))
     exact = exact_marginals(hf_logits(target, rounded), PROMPT, params, STEPS, 8)
     assert all(int((m > 0).sum()) >= 2 for m in exact)  # not a point mass: the nucleus matters
     assert_marginals(histograms(engine, params), exact)
@@ -133,7 +131,7 @@ def test_min_p(pair):
     target, draft = pair
     params = SamplingParams(temperature=0.9, min_p=0.15)
     exact = exact_marginals(hf_logits(target), PROMPT, params, STEPS, 8)
-    assert_marginals(histograms(make_engine(target, draft, k=2), params, seed0=10_000), exact)
+    assert_marginals(histograms(make_engine(target, draft, k=2, slots=SLOTS), params, seed0=10_000), exact)
 
 
 def test_logit_bias(pair):
@@ -141,7 +139,7 @@ def test_logit_bias(pair):
     target, draft = pair
     params = SamplingParams(temperature=1.0, logit_bias={2: 2.5, 5: -3.0, 6: 1.0})
     exact = exact_marginals(hf_logits(target), PROMPT, params, STEPS, 8)
-    assert_marginals(histograms(make_engine(target, draft, k=2), params, seed0=90_000), exact)
+    assert_marginals(histograms(make_engine(target, draft, k=2, slots=SLOTS), params, seed0=90_000), exact)
 
 
 def test_repetition_penalty_under_sampling(pair):
@@ -149,16 +147,16 @@ def test_repetition_penalty_under_sampling(pair):
     target, draft = pair
     params = SamplingParams(temperature=1.0, repetition_penalty=1.8)
     exact = exact_marginals(hf_logits(target), PROMPT, params, STEPS, 8)
-    assert_marginals(histograms(make_engine(target, draft, k=2), params, seed0=20_000), exact)
+    assert_marginals(histograms(make_engine(target, draft, k=2, slots=SLOTS), params, seed0=20_000), exact)
 
 
 def test_hybrid_drafter_under_sampling(pair):
     """n-gram drafts (q one-hot) when the context repeats, sampled model drafts otherwise, in one loop."""
     target, draft = pair
     params = SamplingParams(temperature=1.0)
-    drafter = HybridDrafter(LookupDrafter([NgramProposer(max_ngram=2, min_ngram=1, min_confident=1)]),
-                            DraftModel(HFModel(draft), 8))
-    engine = _engine(HFModel(target), drafter)
+    drafter = HybridDrafter(LookupDrafter([NgramProposer(max_ngram=2, min_ngram=1, min_confident=1)
+                                           for _ in range(SLOTS)]), DraftModel(as_model(draft, SLOTS), 8))
+    engine = _engine(as_model(target, SLOTS), drafter)
     exact = exact_marginals(hf_logits(target), PROMPT, params, STEPS, 8)
     counts = histograms(engine, params, seed0=30_000)
     assert_marginals(counts, exact)
@@ -171,7 +169,9 @@ def test_quantised_draft(pair, mode):
     target, draft = pair
     params = SamplingParams(temperature=1.0)
     exact = exact_marginals(hf_logits(target), PROMPT, params, STEPS, 8)
-    engine = make_engine(target, quantize_model(copy.deepcopy(draft), mode), k=2)
+    lean = LeanBatch(LeanNet(copy.deepcopy(draft)), SLOTS)
+    quantize_model(lean.net, mode)  # as verispec.assembly quantises a lean draft: its fused layers packed
+    engine = make_engine(target, lean, k=2, slots=SLOTS)
     assert_marginals(histograms(engine, params, seed0=40_000), exact)
 
 
@@ -185,7 +185,7 @@ def test_reduced_vocabulary_draft(pair):
     exact = exact_marginals(hf_logits(target), PROMPT, params, STEPS, 8)
     assert min(exact[pos][[1, 4, 5, 7]].sum() for pos in range(STEPS)) > 0.2  # the test reaches those tokens
     reduced = restrict_head(copy.deepcopy(draft), torch.tensor([0, 2, 3, 6]))
-    assert_marginals(histograms(make_engine(target, reduced, k=2), params, seed0=50_000), exact)
+    assert_marginals(histograms(make_engine(target, reduced, k=2, slots=SLOTS), params, seed0=50_000), exact)
 
 
 # -- stops, EOS and the length limit inside an accepted block -------------------------------------------
@@ -205,8 +205,8 @@ def _generate(text_pair, k, stops=(), eos=(), max_new=40):
     target, allowed, tok = text_pair
     letters = lambda logits: logits.masked_fill(~allowed, float("-inf"))
     drafter = DraftModel(MappedLogits(HFModel(copy.deepcopy(target)), letters), 264) if k else None
-    engine = SpeculativeGenerator(MappedLogits(HFModel(target), letters), drafter, eos_token_ids=eos,
-                                  k=k)
+    engine = SpeculativeEngine(MappedLogits(HFModel(target), letters), drafter, eos_token_ids=eos,
+                               k=k)
     asm = TextAssembler(tok, stop=stops)
     out = engine.generate(tok("fn ").input_ids, max_new_tokens=max_new, stop=asm.stop_index if stops else None)
     asm.push(out.token_ids)

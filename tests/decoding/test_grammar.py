@@ -11,16 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from stats_util import chi2_pvalue, total_variation
-from test_exactness import ALPHA, PROMPT, STEPS, MappedLogits, N, assert_marginals, hf_logits
-from tiny import perturbed, tiny_qwen2
+from stats_util import chi2_pvalue, seeded_results, total_variation
+from test_exactness import ALPHA, PROMPT, SLOTS, STEPS, MappedLogits, N, assert_marginals, hf_logits
+from tiny import as_model, perturbed, tiny_qwen2
 
 from verispec.backends import HFModel
 from verispec.core import grammar as grammar_module
 from verispec.core.draft import Draft
 from verispec.core.grammar import Constraint, GrammarRow, Grammars, apply_masks
 from verispec.core.sampling import SamplingParams, probs_from_logits
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.proposers import DraftModel
 
@@ -83,9 +83,7 @@ def histograms(engine, params, seed0, n=N, whole: torch.Tensor | None = None):
     """counts [STEPS, 8] of each position's tokens over n seeded generations; `whole` [8 ** STEPS] counts the
     generations themselves."""
     counts = torch.zeros(STEPS, 8, dtype=torch.long)
-    for i in range(n):
-        out = engine.generate(PROMPT, SamplingParams(**{**params.__dict__, "seed": seed0 + i}), max_new_tokens=STEPS,
-                              constraint=CONSTRAINT)
+    for out in seeded_results(engine, PROMPT, params, n, STEPS, seed0, constraint=CONSTRAINT):
         for pos, tok in enumerate(out.token_ids[:STEPS]):
             counts[pos, tok] += 1
         if whole is not None:
@@ -99,7 +97,7 @@ class RandomDrafts:
     def __init__(self):
         self.gen = torch.Generator().manual_seed(5)
 
-    def start(self, seq, params, generator):
+    def start(self, seq, params, rng):
         pass
 
     def source(self, seq):
@@ -135,14 +133,15 @@ def half_forbidden(logits):
 class UnmaskedDraft(DraftModel):
     """A draft model that does not mask its q by the grammar: half its draws forbidden, the residual's test."""
 
-    def start(self, slot, seq, params, generator, grammar=None):
-        super().start(slot, seq, params, generator, None)
+    def start(self, slot, seq, params, rng, grammar=None):
+        super().start(slot, seq, params, rng, None)
 
 
-def _engine(target, drafter, k=2, during_pass=False):
-    """`during_pass`: the grammars walked while the pass runs, over whole drafts (as on CUDA)."""
-    engine = SpeculativeGenerator(HFModel(target), drafter, k=k, auto_policy=CostAwareK(),
-                                  grammars=GRAMMARS)
+def _engine(target, drafter, k=2, during_pass=False, slots=1):
+    """`during_pass`: the grammars walked while the pass runs, over whole drafts (as on CUDA); `slots`: sequences
+    decoded at once (the target on the lean path where there are several)."""
+    engine = SpeculativeEngine(as_model(target, slots), drafter, k=k, auto_policy=CostAwareK(),
+                               grammars=GRAMMARS)
     engine.walk_during_pass = during_pass
     return engine
 
@@ -187,8 +186,8 @@ def test_sampled_draft_marginals(pair, masked_q):
     params = SamplingParams(temperature=1.0)
     exact, exact_whole = exact_marginals(masked_logits(hf_logits(target)), params, whole=True)
     assert max(float(m[[5, 6, 7]].sum()) for m in exact) == 0.0  # the grammar's mask is in the reference
-    drafter = (DraftModel if masked_q else UnmaskedDraft)(MappedLogits(HFModel(draft), half_forbidden), 8)
-    engine = _engine(target, drafter)
+    drafter = (DraftModel if masked_q else UnmaskedDraft)(MappedLogits(as_model(draft, SLOTS), half_forbidden), 8)
+    engine = _engine(target, drafter, slots=SLOTS)
     whole = torch.zeros(8**STEPS, dtype=torch.long)
     assert_marginals(histograms(engine, params, seed0=60_000, whole=whole), exact)
     assert chi2_pvalue(whole, exact_whole) > ALPHA  # the whole generations too, not only each position
@@ -206,7 +205,8 @@ def test_one_hot_drafts_of_forbidden_tokens(pair, during_pass):
     target, _ = pair
     params = SamplingParams(temperature=0.8, top_k=5)
     exact = exact_marginals(masked_logits(hf_logits(target)), params)
-    engine = _engine(target, LookupDrafter([RandomDrafts()]), k=3, during_pass=during_pass)
+    engine = _engine(target, LookupDrafter([RandomDrafts() for _ in range(SLOTS)]), k=3, during_pass=during_pass,
+                     slots=SLOTS)
     assert_marginals(histograms(engine, params, seed0=70_000), exact)
 
 
@@ -218,15 +218,15 @@ def test_negative_control_q_reported_without_its_mask(pair, monkeypatch):
     target, draft = pair
     draw = draft_model.draft_token
 
-    def unmasked_report(logits, params, presence, counts, position, generator):
-        token, q = draw(logits, params, presence, counts, position, generator)
+    def unmasked_report(logits, params, presence, counts, position, rng):
+        token, q = draw(logits, params, presence, counts, position, rng)
         return token, half_forbidden(logits).softmax(dim=-1)
 
     monkeypatch.setattr(draft_model, "draft_token", unmasked_report)
     params = SamplingParams(temperature=1.0)
     exact = exact_marginals(masked_logits(hf_logits(target)), params)
-    counts = histograms(_engine(target, DraftModel(MappedLogits(HFModel(draft), half_forbidden), 8)), params,
-                        seed0=85_000, n=2000)
+    drafter = DraftModel(MappedLogits(as_model(draft, SLOTS), half_forbidden), 8)
+    counts = histograms(_engine(target, drafter, slots=SLOTS), params, seed0=85_000, n=2000)
     worst = max(total_variation(counts[p], exact[p]) for p in range(STEPS))
     assert worst > 0.08 and min(chi2_pvalue(counts[p], exact[p], 1000) for p in range(STEPS)) < 1e-6, worst
 
@@ -239,8 +239,8 @@ def test_negative_control_sampled_draft_cut_before_its_forbidden_token(pair, mon
     monkeypatch.setattr(GrammarRow, "walk", lambda self, tokens, sampled: walk(self, tokens, False))
     params = SamplingParams(temperature=1.0)
     exact = exact_marginals(masked_logits(hf_logits(target)), params)
-    drafter = UnmaskedDraft(MappedLogits(HFModel(draft), half_forbidden), 8)
-    counts = histograms(_engine(target, drafter), params, seed0=80_000, n=2000)
+    drafter = UnmaskedDraft(MappedLogits(as_model(draft, SLOTS), half_forbidden), 8)
+    counts = histograms(_engine(target, drafter, slots=SLOTS), params, seed0=80_000, n=2000)
     worst = max(total_variation(counts[p], exact[p]) for p in range(STEPS))
     assert worst > 0.08 and min(chi2_pvalue(counts[p], exact[p], 1000) for p in range(STEPS)) < 1e-6, worst
 
@@ -284,7 +284,7 @@ def test_bad_constraints_are_refused_with_a_reason(pair):
             engine.generate(PROMPT, max_new_tokens=2, constraint=constraint)
     with pytest.raises(ValueError, match="min_tokens"):
         engine.generate(PROMPT, SamplingParams(min_tokens=2), max_new_tokens=4, constraint=CONSTRAINT)
-    plain = SpeculativeGenerator(HFModel(target), None, k=0)
+    plain = SpeculativeEngine(HFModel(target), None, k=0)
     with pytest.raises(ValueError, match="tokenizer"):
         plain.generate(PROMPT, max_new_tokens=2, constraint=CONSTRAINT)
 
@@ -300,8 +300,8 @@ def test_rows_of_different_grammars_share_a_batch_as_alone(pair):
     target, draft = pair
 
     def engine(slots):
-        return SpeculativeGenerator(LeanBatch(LeanNet(target), slots), DraftModel(LeanBatch(LeanNet(draft), slots), 8),
-                                    k=3, grammars=GRAMMARS)
+        return SpeculativeEngine(LeanBatch(LeanNet(target), slots), DraftModel(LeanBatch(LeanNet(draft), slots), 8),
+                                 k=3, grammars=GRAMMARS)
 
     constraints = [CONSTRAINT, Constraint.choice(["ababab", "bab"]), Constraint.regex("[ab]*c"),
                    Constraint.grammar('start: "ba" x "c"\nx: "a" | "b" x'), None]

@@ -20,9 +20,9 @@ import pytest
 import test_exactness as exactness
 import test_verify
 import torch
+from tiny import as_model
 
 import verispec.proposers.draft_model as draft_module
-from verispec.backends import HFModel
 from verispec.core import sampling, verify
 from verispec.core.sampling import SamplingParams
 from verispec.proposers import DraftModel
@@ -94,7 +94,7 @@ def test_presence_shifted_by_one_draft(monkeypatch, pair):
     target, draft = pair
     params = SamplingParams(temperature=1.0, repetition_penalty=1.8)
     exact = exactness.exact_marginals(exactness.hf_logits(target), exactness.PROMPT, params, exactness.STEPS, 8)
-    assert _loop_rejects(exactness.make_engine(target, draft, k=2), params, exact)
+    assert _loop_rejects(exactness.make_engine(target, draft, k=2, slots=exactness.SLOTS), params, exact)
 
 
 def test_top_p_on_the_draft_sample_but_not_on_its_q(monkeypatch, pair):
@@ -106,16 +106,16 @@ def test_top_p_on_the_draft_sample_but_not_on_its_q(monkeypatch, pair):
     def unfiltered(logits, params, *rest, **kwargs):
         return real_rows(logits, dataclasses.replace(params, top_p=1.0), *rest, **kwargs)
 
-    def sample_from_nucleus(q, generator):
+    def sample_from_nucleus(q, rng):
         nucleus = sampling._filter_top_p(q.log(), top_p).softmax(dim=-1)
-        return real_sample(nucleus, generator)
+        return real_sample(nucleus, rng)
 
     monkeypatch.setattr(draft_module, "processed_rows", unfiltered)
     monkeypatch.setattr(draft_module, "sample", sample_from_nucleus)
     target, draft = pair
     params = SamplingParams(temperature=1.0, top_p=top_p)
     exact = exactness.exact_marginals(exactness.hf_logits(target), exactness.PROMPT, params, exactness.STEPS, 8)
-    engine = exactness._engine(HFModel(target), DraftModel(HFModel(draft), 8))
+    engine = exactness._engine(as_model(target, exactness.SLOTS), DraftModel(as_model(draft, exactness.SLOTS), 8))
     assert _loop_rejects(engine, params, exact)
 
 

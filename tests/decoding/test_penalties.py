@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from stats_util import chi2_pvalue
+from stats_util import chi2_pvalue, generation_histograms
 from tiny import make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
@@ -134,13 +134,8 @@ def _exact_marginals(model, params: SamplingParams, steps: int) -> list[torch.Te
 
 
 def _loop_histograms(target, draft, params: SamplingParams, steps: int, n: int) -> torch.Tensor:
-    eng = make_engine(target, draft, k=2)
-    counts = torch.zeros(steps, target.config.vocab_size, dtype=torch.long)
-    for i in range(n):
-        out = eng.generate(PROMPT, SamplingParams(**{**params.__dict__, "seed": i}), max_new_tokens=steps)
-        for pos, tok in enumerate(out.token_ids):
-            counts[pos, tok] += 1
-    return counts
+    eng = make_engine(target, draft, k=2, slots=8)
+    return generation_histograms(eng, PROMPT, params, n, steps, target.config.vocab_size)[0]
 
 
 PENALISED = SamplingParams(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.8, min_tokens=2,
@@ -155,7 +150,7 @@ def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pai
     what plain decoding computes at each of those positions (its own counts, its own position)."""
     from verispec.backends import HFModel
     from verispec.core.rows import target_rows
-    from verispec.core.sampling import make_generator
+    from verispec.core.sampling import make_rng
     from verispec.core.sequence import TokenSequence
     from verispec.proposers import DraftModel
 
@@ -164,7 +159,7 @@ def test_verify_rows_equal_plain_processing_position_by_position(small_vocab_pai
     seq = TokenSequence(PROMPT + generated, 20, torch.device("cpu"))
     seq.prompt_length = len(PROMPT)
     drafter = DraftModel(HFModel(draft), 8)
-    drafter.start(0, seq, PENALISED, make_generator(0, "cpu"))
+    drafter.start(0, seq, PENALISED, make_rng(0, "cpu"))
     drafts = drafter.propose([(0, seq, 3, None)])[0]
     tokens = drafts.tokens
     with torch.no_grad():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from stats_util import chi2_pvalue
 from test_engine import ALPHA, _exact_marginals
-from tiny import make_engine, perturbed, text_pair, tiny_qwen2
+from tiny import lone_rounds, make_engine, perturbed, text_pair, tiny_qwen2
 
 import verispec
 from verispec.backends.base import Sequence
@@ -18,7 +18,7 @@ from verispec.core.sampling import SamplingParams, sample
 from verispec.core.sequence import TokenSequence
 from verispec.core.tree import ROOT, TokenTree, verify_tree
 from verispec.decoding import tree_round as tree_round_module
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.base import RoundReport, RoundView
 from verispec.decoding.policies.tree_budget import AcceptedTable, TreeBudget, VerifyCost
 from verispec.proposers.tree_draft import TreeDraftModel
@@ -37,10 +37,10 @@ def lean(model) -> LeanBatch:
     return LeanBatch(LeanNet(model), slots=1)
 
 
-def tree_engine(target, draft, k=8, eos=(EOS,), width=3, max_depth=4) -> SpeculativeGenerator:
+def tree_engine(target, draft, k=8, eos=(EOS,), width=3, max_depth=4) -> SpeculativeEngine:
     drafter = TreeDraftModel(lean(draft), target.config.vocab_size, width=width, max_depth=max_depth)
-    return SpeculativeGenerator(lean(target), drafter, eos_token_ids=eos, k=k,
-                                auto_policy=TreeBudget())
+    return SpeculativeEngine(lean(target), drafter, eos_token_ids=eos, k=k,
+                             auto_policy=TreeBudget())
 
 
 def random_tree(rng: random.Random, m: int, vocab: int) -> TokenTree:
@@ -185,9 +185,8 @@ def test_draft_cache_holds_the_committed_tokens_after_each_round(pair):
     eng = tree_engine(target, draft, k=10)
     drafter = eng.drafter
     cache = Sequence(drafter.model)  # the draft's slot 0
-    generation = eng.stream([5, 9, 13, 2], max_new_tokens=30)
     checked = 0
-    for _ in generation:
+    for _ in lone_rounds(eng, [5, 9, 13, 2], max_new_tokens=30)[0]:
         held = cache.length
         seq, cached = drafter._held[0]
         assert cached == held
@@ -280,21 +279,21 @@ def test_tree_negative_control_fails(small_vocab_pair, monkeypatch):
     without removing the rejected children from p; recover from the last child's residual) must fail the same test."""
     target, draft = small_vocab_pair
 
-    def chain_rule_on_a_tree(rows, tree, greedy, generator):
+    def chain_rule_on_a_tree(rows, tree, greedy, rng):
         path, row = [], 0
         while True:
             p = rows[row]
             kids = tree.children[row]
             child = None
             for token, node in kids.items():
-                if float(torch.rand(1, generator=generator)) < float(p[token]):
+                if float(torch.rand(1, generator=rng)) < float(p[token]):
                     child = node
                     break
             if child is None:
                 residual = p.clone()
                 if kids:
                     residual[list(kids)[-1]] = 0
-                return path, int(sample((residual / residual.sum())[None], generator))
+                return path, int(sample((residual / residual.sum())[None], rng))
             path.append(child)
             row = child + 1
 

@@ -72,6 +72,23 @@ def test_stream_yields_the_generated_text(pipe):
     assert stream.result.token_ids == whole.token_ids and stream.result.text == whole.text
 
 
+def test_stream_is_a_request_in_the_engines_slots(pipe):
+    """A stream takes the pipeline's engine's one slot when it starts and gives it back when it ends or is closed:
+    a second stream meanwhile is refused (the first goes on, unharmed), a closed one keeps what it committed and
+    the next stream decodes as on a fresh engine."""
+    whole = pipe.generate(PROMPT, max_new_tokens=30)
+    first = pipe.stream(PROMPT, max_new_tokens=30)
+    assert first.result.token_ids == [] and first.result.stats.prompt_tokens == len(pipe.encode(PROMPT))
+    assert not pipe.engine.active  # not started: the slot is free
+    next(first)
+    with pytest.raises(RuntimeError, match="batch is full"):
+        next(pipe.stream(PROMPT, max_new_tokens=30))
+    first.close()
+    committed = first.result.token_ids
+    assert not pipe.engine.active and 0 < len(committed) < 30 and committed == whole.token_ids[: len(committed)]
+    assert pipe.generate(PROMPT, max_new_tokens=30).token_ids == whole.token_ids
+
+
 def test_stop_string_cuts_the_text(pipe):
     whole = pipe.generate(PROMPT, max_new_tokens=30)
     stop = whole.text[5:8]
@@ -131,8 +148,8 @@ def test_generation_config_honoured_and_keywords_win(pipe, monkeypatch):
     assert pipe.generate(PROMPT, generation_config=sampled, temperature=0.0).token_ids == greedy.token_ids
     assert len(pipe.generate(PROMPT, generation_config=sampled, max_new_tokens=5, seed=3).token_ids) == 5
     seen = []
-    real = pipe.generator.stream
-    monkeypatch.setattr(pipe.generator, "stream", lambda request, **kw: seen.append(request.params) or real(request, **kw))
+    real = pipe.engine.add
+    monkeypatch.setattr(pipe.engine, "add", lambda request, **kw: seen.append(request.params) or real(request, **kw))
     pipe.generate(PROMPT, generation_config=GenerationConfig(do_sample=True, temperature=0.5, top_k=7, top_p=0.9,
                                                              min_p=0.05, repetition_penalty=1.2), top_k=3)
     params = seen[-1]
@@ -143,7 +160,7 @@ def test_generation_config_honoured_and_keywords_win(pipe, monkeypatch):
 def test_chatbot_over_a_loaded_pipeline(pipe):
     bot = verispec.ChatBot(pipe, max_new_tokens=16)
     reply = bot.generate_response("Hello")
-    pipe.generator.reset()
+    pipe.engine.reset()
     assert reply == pipe.generate([{"role": "user", "content": "Hello"}], max_new_tokens=16).text
     assert bot.history[-1] == {"role": "assistant", "content": reply}
 
@@ -168,7 +185,7 @@ def test_context_length_is_the_shorter_of_the_pair(models, drafter):
     short = perturbed(target, seed=5, noise=0.1)
     short.config.max_position_embeddings = 512
     pipe = verispec.load(target, short, tokenizer=tok, drafter=drafter)
-    assert pipe.generator.target.max_length == 4096 and context_length(pipe) == pipe.context_length == 512
+    assert pipe.engine.target.max_length == 4096 and context_length(pipe) == pipe.context_length == 512
     assert verispec.load(target, tokenizer=tok, drafter="ngram").context_length == 4096
 
 

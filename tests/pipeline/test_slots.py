@@ -41,7 +41,7 @@ def serve(slots, requests):
 def test_slots_give_what_generate_gives(pipe, max_batch):
     slots = pipe.slots(max_batch)
     assert isinstance(slots, Slots) and slots.size == max_batch
-    assert (slots.engine is pipe.generator) == (max_batch == 1)  # one slot: the pipeline's own engine
+    assert (slots.engine is pipe.engine) == (max_batch == 1)  # one slot: the pipeline's own engine
     settings = [dict(max_new_tokens=20), dict(max_new_tokens=30, k=1), dict(max_new_tokens=20, stop=["Y"]),
                 dict(max_new_tokens=16, temperature=0.8, seed=5)]
     requests = [pipe.request(prompt, **s) for prompt, s in zip(PROMPTS, settings)]

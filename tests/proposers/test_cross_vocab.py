@@ -25,7 +25,7 @@ from verispec.backends.lean import LeanBatch, LeanNet
 from verispec.backends.vocab import VocabBridge
 from verispec.catalog.vocab import shared_tokens, token_bytes
 from verispec.core.sampling import SamplingParams, probs_from_logits
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.proposers.cross_vocab import EXPLORE, CrossVocabDraft, WayChoice, text_pieces
 
@@ -37,7 +37,7 @@ DRAFT_VOCAB = ["Ġ", "d", "c", "b", "a", "ab", "abc", "da", "Ġa"]
 DRAFT_MERGES = [("a", "b"), ("ab", "c"), ("d", "a"), ("Ġ", "a")]
 
 
-def cross_engine(target, draft, target_tok, draft_tok, k=3, eos=(), slots=1, sampled="auto") -> SpeculativeGenerator:
+def cross_engine(target, draft, target_tok, draft_tok, k=3, eos=(), slots=1, sampled="auto") -> SpeculativeEngine:
     """An engine whose draft speaks `draft_tok` and the target `target_tok` (transformers models; slots > 1: both
     on the lean path); `sampled`: how sampled rows draft."""
     if slots == 1:
@@ -45,8 +45,8 @@ def cross_engine(target, draft, target_tok, draft_tok, k=3, eos=(), slots=1, sam
     else:
         t, d = LeanBatch(LeanNet(target), slots), LeanBatch(LeanNet(draft), slots)
     bridge = VocabBridge(target_tok, draft_tok, t.vocab_size, d.vocab_size, CPU)
-    return SpeculativeGenerator(t, CrossVocabDraft(d, bridge, sampled), eos_token_ids=eos, k=k,
-                                auto_policy=CostAwareK())
+    return SpeculativeEngine(t, CrossVocabDraft(d, bridge, sampled), eos_token_ids=eos, k=k,
+                             auto_policy=CostAwareK())
 
 
 # -- the shared tokens -----------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def text_models():
 def test_greedy_identical_to_plain(text_models, k, prompt):
     target, draft, target_tok, draft_tok = text_models
     ids = target_tok.encode(prompt)
-    plain = SpeculativeGenerator(HFModel(target)).generate(ids, max_new_tokens=40)
+    plain = SpeculativeEngine(HFModel(target)).generate(ids, max_new_tokens=40)
     eng = cross_engine(target, draft, target_tok, draft_tok, k=k)
     for _ in range(2):  # the second generation keeps the draft tokens of the shared prompt
         out = eng.generate(ids, max_new_tokens=40)
@@ -143,7 +143,7 @@ def test_a_draft_past_its_context_stops_drafting(text_models):
     short = tiny_qwen2(33, vocab_size=len(draft_tok), init=0.1)
     short.config.max_position_embeddings = 24
     ids = target_tok.encode("the quick brown fox")
-    plain = SpeculativeGenerator(HFModel(target)).generate(ids, max_new_tokens=40)
+    plain = SpeculativeEngine(HFModel(target)).generate(ids, max_new_tokens=40)
     eng = cross_engine(target, short, target_tok, draft_tok, k=3)
     out = eng.generate(ids, max_new_tokens=40)
     assert out.token_ids == plain.token_ids and 0 < out.stats.draft_forwards
@@ -153,9 +153,9 @@ def test_a_draft_past_its_context_stops_drafting(text_models):
 def test_eos_and_stops_exact(text_models):
     target, draft, target_tok, draft_tok = text_models
     ids = target_tok.encode("hello world")
-    plain = SpeculativeGenerator(HFModel(target)).generate(ids, max_new_tokens=30)
+    plain = SpeculativeEngine(HFModel(target)).generate(ids, max_new_tokens=30)
     eos = plain.token_ids[7]
-    want = SpeculativeGenerator(HFModel(target), eos_token_ids=[eos]).generate(ids, max_new_tokens=30)
+    want = SpeculativeEngine(HFModel(target), eos_token_ids=[eos]).generate(ids, max_new_tokens=30)
     out = cross_engine(target, draft, target_tok, draft_tok, k=4, eos=[eos]).generate(ids, max_new_tokens=30)
     assert out.token_ids == want.token_ids and out.token_ids[-1] == eos
 
@@ -241,7 +241,7 @@ def _exact(model, params: SamplingParams, steps: int) -> list[torch.Tensor]:
 def _histograms(small_pair, params: SamplingParams, n: int, steps: int, sampled: str = "shared"
                 ) -> tuple[torch.Tensor, int]:
     target, draft, target_tok, draft_tok = small_pair
-    eng = cross_engine(target, draft, target_tok, draft_tok, k=2, sampled=sampled)
+    eng = cross_engine(target, draft, target_tok, draft_tok, k=2, sampled=sampled, slots=8)
     counts, _, accepted = generation_histograms(eng, PROMPT, params, n, steps, 8)
     return counts, accepted
 
@@ -284,8 +284,8 @@ def test_negative_control_q_not_restricted(small_pair, monkeypatch):
 
     real = module.draft_token
 
-    def wrong_q(logits, params, presence, counts, position, generator):
-        token, q = real(logits, params, presence, counts, position, generator)
+    def wrong_q(logits, params, presence, counts, position, rng):
+        token, q = real(logits, params, presence, counts, position, rng)
         flat = torch.where(q > 0, torch.ones_like(q), torch.zeros_like(q))
         return token, flat / flat.sum(-1, keepdim=True)  # claims q uniform over the shared tokens
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats_util import chi2_pvalue
+from stats_util import chi2_pvalue, generation_histograms
 from test_engine import _exact_marginals
 from tiny import make_engine, perturbed, tiny_qwen2
 
@@ -110,14 +110,8 @@ def small_vocab_target():
 
 
 def _histograms(target, params, drafter, n, steps):
-    counts = torch.zeros(steps, target.config.vocab_size, dtype=torch.long)
-    eng = make_engine(target, k=2, drafter=drafter)
-    drafted = 0
-    for i in range(n):
-        out = eng.generate([3, 1, 2, 3, 1], SamplingParams(**{**params.__dict__, "seed": i}), max_new_tokens=steps)
-        drafted += out.stats.drafted
-        for pos, tok in enumerate(out.token_ids):
-            counts[pos, tok] += 1
+    eng = make_engine(target, k=2, drafter=drafter, slots=8)
+    counts, drafted, _ = generation_histograms(eng, [3, 1, 2, 3, 1], params, n, steps, target.config.vocab_size)
     return counts, drafted
 
 
@@ -134,9 +128,10 @@ def test_ngram_sampling_marginals_match_target(small_vocab_target):
 
 def test_ngram_negative_control_fails(small_vocab_target, monkeypatch):
     """An always-accept verifier with n-gram drafts emits the copied tokens, not p: the test must fail."""
-    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    def always_accept(draft_tokens, draft_probs, target_probs, rng):
         k = draft_tokens.shape[1]
-        return torch.full((draft_tokens.shape[0],), k), torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=rng).squeeze(-1)
+        return torch.full((draft_tokens.shape[0],), k), bonus
 
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)
     params = SamplingParams(temperature=1.0)

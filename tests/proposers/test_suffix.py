@@ -14,7 +14,7 @@ from tiny import tiny_qwen2
 from verispec import SamplingParams
 from verispec.backends import HFModel
 from verispec.core.sequence import TokenSequence
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.proposers.lookup import LookupDrafter
 from verispec.proposers.suffix import SuffixProposer, SuffixTrie, _Text
@@ -37,11 +37,11 @@ class Recording(SuffixProposer):
         return draft
 
 
-def engine(target, proposer=None, k=4, eos=()) -> SpeculativeGenerator:
+def engine(target, proposer=None, k=4, eos=()) -> SpeculativeEngine:
     """A one-slot engine drafting with `proposer` (None: plain decoding)."""
     drafter = None if proposer is None else LookupDrafter([proposer])
-    return SpeculativeGenerator(HFModel(target), drafter, eos_token_ids=eos, k=k,
-                                auto_policy=CostAwareK())
+    return SpeculativeEngine(HFModel(target), drafter, eos_token_ids=eos, k=k,
+                             auto_policy=CostAwareK())
 
 
 def seq_of(prompt: list[int]) -> TokenSequence:
@@ -333,9 +333,9 @@ def test_sampling_marginals_match_target(small_vocab_target):
 
 def test_sampling_negative_control_fails(small_vocab_target, monkeypatch):
     """An always-accept verifier emits the drafted tokens, not p: the same test must fail."""
-    def always_accept(draft_tokens, draft_probs, target_probs, generator):
+    def always_accept(draft_tokens, draft_probs, target_probs, rng):
         k = draft_tokens.shape[1]
-        bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(-1)
+        bonus = torch.multinomial(target_probs[:, k], 1, generator=rng).squeeze(-1)
         return torch.full((draft_tokens.shape[0],), k), bonus
 
     monkeypatch.setattr("verispec.core.rows.rejection_sample", always_accept)

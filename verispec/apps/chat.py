@@ -138,5 +138,5 @@ class ChatBot:
     def _plain_decode(self, prompt: list[int], n_tokens: int) -> tuple[float, int]:
         """Plain target decoding of the same prompt, at most as many tokens: (seconds, tokens)."""
         t0 = time.perf_counter()
-        result = self.pipeline.generator.generate(prompt, self.params, max_new_tokens=n_tokens, k=0)
+        result = self.pipeline.engine.generate(prompt, self.params, max_new_tokens=n_tokens, k=0)
         return time.perf_counter() - t0, len(result.token_ids)

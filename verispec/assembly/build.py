@@ -29,7 +29,7 @@ from verispec.backends.vocab import same_vocabulary
 from verispec.catalog.vocab import token_bytes
 from verispec.core.grammar import Grammars
 from verispec.core.infill import TokenPieces
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.names.drafters import BACKEND_NAMES
 from verispec.names.errors import SpecError
 from verispec.names.k import DEFAULTS, K_MAX, default_k
@@ -116,20 +116,20 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     if k is None:
         k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
     policy = None if draft is None else DRAFTERS[draft.drafter].auto_policy(k_max)
-    generator = SpeculativeGenerator(target_model, drafter, eos, k, auto_policy=policy,
-                                     max_length=None if draft_model is None or cross else draft_model.max_length,
-                                     vocabulary=token_pieces(tokenizer, eos, target_model.vocab_size),
-                                     grammars=grammars_for(tokenizer, eos, target_model.vocab_size))
+    engine = SpeculativeEngine(target_model, drafter, eos, k, auto_policy=policy,
+                               max_length=None if draft_model is None or cross else draft_model.max_length,
+                               vocabulary=token_pieces(tokenizer, eos, target_model.vocab_size),
+                               grammars=grammars_for(tokenizer, eos, target_model.vocab_size))
     kernels = None
     if "llamacpp" in (target.backend, draft_backend):
         from verispec.backends.llamacpp import kernels as llama_kernels
 
         kernels = llama_kernels().describe(getattr(target_model, "weight_types", None))
-    pipe = Pipeline(generator, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
+    pipe = Pipeline(engine, tokenizer, target, draft, device, draft_model, _forward_name(draft_model, draft_backend),
                     times, reason, kernels, vocab_bridge=bridge)
     batch_reason = batch_unsupported(pipe)
     return replace(pipe, batch_reason=batch_reason,
-                   make_batch=None if batch_reason else functools.partial(batch_generator, pipe))
+                   make_batch=None if batch_reason else functools.partial(batch_engine, pipe))
 
 
 def _tree_models(target: Model, draft: Model) -> tuple[Model, Model]:
@@ -153,7 +153,7 @@ def batch_unsupported(pipe: Pipeline) -> str | None:
     and the lean path do; transformers' own forward holds one)."""
     if pipe.drafter == "tree":
         return "token trees do not batch (each tree is verified in a pass of its own)"
-    models = [pipe.generator.target] + ([pipe.draft_model] if pipe.draft_model is not None else [])
+    models = [pipe.engine.target] + ([pipe.draft_model] if pipe.draft_model is not None else [])
     if pipe.draft_model is not None and pipe.draft_forward == "transformers" and pipe.draft_quant != "none":
         return "a quantised draft batches on the lean path only (draft forward lean)"
     for model in models:
@@ -174,19 +174,19 @@ def _with_slots(model: Model, slots: int) -> Model:
     return model.with_slots(slots)
 
 
-def batch_generator(pipe: Pipeline, max_batch: int) -> SpeculativeGenerator:
-    """A SpeculativeGenerator of `max_batch` slots over the pipeline's models (the same weights; caches of its own)
+def batch_engine(pipe: Pipeline, max_batch: int) -> SpeculativeEngine:
+    """A SpeculativeEngine of `max_batch` slots over the pipeline's models (the same weights; caches of its own)
     and its k policy. SpecError (runtime) when the pipeline cannot batch (see batch_unsupported)."""
     reason = batch_unsupported(pipe)
     if reason is not None:
         raise SpecError(reason, "max_batch", runtime=True)
-    lone = pipe.generator
+    lone = pipe.engine
     target = _with_slots(lone.target, max_batch)
     draft = None if pipe.draft_model is None else _with_slots(pipe.draft_model, max_batch)
     vocab = pipe.vocab_bridge if pipe.vocab_bridge is not None else target.vocab_size
     drafter = None if pipe.drafter == "none" else DRAFTERS[pipe.drafter].make(draft, vocab, max_batch)
-    return SpeculativeGenerator(target, drafter, lone.eos_token_ids, pipe.k, auto_policy=lone.k_policy,
-                                max_length=pipe.context_length, vocabulary=lone.vocabulary, grammars=lone.grammars)
+    return SpeculativeEngine(target, drafter, lone.eos_token_ids, pipe.k, auto_policy=lone.k_policy,
+                             max_length=pipe.context_length, vocabulary=lone.vocabulary, grammars=lone.grammars)
 
 
 def token_pieces(tokenizer, eog: list[int], vocab_size: int) -> TokenPieces | None:

@@ -46,9 +46,9 @@ class ModelStore:
     same model load it once. A target and a draft are never shared with each other, even when the specs
     name the same model: one generation uses both caches at once.
 
-    Pipelines that share a loaded model share its KV caches, and each generator believes its caches hold
+    Pipelines that share a loaded model share its KV caches, and each engine believes its caches hold
     what it left there. So at most one of them generates at a time, and each is reset
-    (`pipeline.generator.reset()`) before it generates after another one used the shared model."""
+    (`pipeline.engine.reset()`) before it generates after another one used the shared model."""
 
     def __init__(self) -> None:
         self._items: dict[tuple, object] = {}

@@ -104,7 +104,7 @@ def verify_rows(
     seqs: list[TokenSequence], drafts: list[Draft], logits: list[torch.Tensor], params: list[SamplingParams],
     gens: list[torch.Generator],
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`verify` for every row of a round: each sampled row on its own (its own generator), the greedy rows in one
+    """`verify` for every row of a round: each sampled row on its own (its own RNG), the greedy rows in one
     batched call (their drafts padded with -1, which no argmax equals, so none accepts past its own draft)."""
     out = [None if p.greedy else verify(seq, draft, row_logits, p, gen)
            for seq, draft, row_logits, p, gen in zip(seqs, drafts, logits, params, gens)]

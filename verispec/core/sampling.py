@@ -24,8 +24,8 @@ from verispec.core.timing import device_tensor
 from verispec.names.options import SamplingParams
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
-    """An explicit generator on `device` (seed None: a fresh seed); the global RNG is never touched."""
+def make_rng(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """An explicit RNG (a torch.Generator) on `device` (seed None: a fresh seed); the global RNG is never touched."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
@@ -34,9 +34,9 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return gen
 
 
-def generator_for(params: SamplingParams, device: torch.device | str) -> torch.Generator:
-    """The generator a generation with these params draws from, on `device`."""
-    return make_generator(params.seed, device)
+def rng_for(params: SamplingParams, device: torch.device | str) -> torch.Generator:
+    """The RNG a generation with these params draws from, on `device`."""
+    return make_rng(params.seed, device)
 
 
 def _seen_rows(tokens: torch.Tensor, rows: int, vocab: int, paths: torch.Tensor | None,
@@ -211,11 +211,11 @@ def probs_from_logits(
     return processed.softmax(dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample(probs: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
     """One token per row of probs [n, V] -> [n], by inverting the cumulative distribution in float64
     (over a large vocabulary an order of magnitude faster than torch.multinomial). A token with probability 0
     is never drawn: its cumulative value equals its predecessor's, and the first value above u is taken."""
     cdf = probs.double().cumsum(dim=-1)  # [n, V]
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    u = torch.rand(probs.shape[0], 1, generator=rng, device=probs.device, dtype=torch.float64)
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first cdf > u * total
     return index.clamp_max(probs.shape[-1] - 1).squeeze(-1)

@@ -96,13 +96,13 @@ class TokenTree:
 
 
 def verify_tree(rows: torch.Tensor, tree: TokenTree, greedy: bool,
-                generator: torch.Generator) -> tuple[list[int], int]:
+                rng: torch.Generator) -> tuple[list[int], int]:
     """Walk the tree (see the module docstring): (the accepted nodes, root to deepest; the token after them).
     rows: the target's argmax ids [m + 1] (greedy) or probs [m + 1, V], row 0 the root's."""
     choices = rows.tolist() if greedy else None
     path, row = [], 0
     while True:
-        x = choices[row] if greedy else int(sample(rows[row : row + 1], generator))
+        x = choices[row] if greedy else int(sample(rows[row : row + 1], rng))
         child = tree.children[row].get(x)
         if child is None:
             return path, x

@@ -68,7 +68,7 @@ def rejection_sample(
     draft_tokens: torch.Tensor,  # [B, k] long
     draft_probs: torch.Tensor | None,  # [B, k, V] q, or None for deterministic drafts
     target_probs: torch.Tensor,  # [B, k+1, V] p
-    generator: torch.Generator,
+    rng: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (num_accepted [B] long, next_token [B] long): the recovered or bonus token."""
     B, k = draft_tokens.shape
@@ -79,11 +79,11 @@ def rejection_sample(
     if k > 0:
         p_x = target_probs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, k]
         q_x = draft_probs_at(draft_probs, draft_tokens)  # [B, k]
-        u = torch.rand(B, k, generator=generator, device=target_probs.device)  # [0, 1)
+        u = torch.rand(B, k, generator=rng, device=target_probs.device)  # [0, 1)
         accepted = u < acceptance_probability(p_x, q_x)  # [B, k]; u = 0 never accepts a token with p = 0
         num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
     final = next_token_distribution(target_probs, draft_tokens, draft_probs, num_accepted)
-    return num_accepted, sample(final, generator)
+    return num_accepted, sample(final, rng)
 
 
 def greedy_verify(

@@ -5,7 +5,7 @@ lone request is a batch of one, through the same round:
 
     plan: each row's k policy plans its draft -> draft: the drafter drafts every drafting row (a draft model
     runs each step for all of them in one forward) -> score: ONE target pass over every row's unseen committed
-    tokens and drafts -> verify: each row on its own (its own sampling settings and generator) -> one device ->
+    tokens and drafts -> verify: each row on its own (its own sampling settings and RNG) -> one device ->
     host transfer of every row's outcome -> commit: each row's tokens appended, its slot rolled back to them, the
     drafter told what was accepted, the round settled (stats, stops, max_new_tokens).
 
@@ -23,7 +23,7 @@ a tree-masked pass of its own row; trees do not batch. A constrained row (struct
 has its draft walked through its grammar before the pass and its logits masked after it; the tokens its grammar
 forces are its draft, free.
 
-A row's tokens depend only on its own prompt, settings and generator, never on its batch mates: greedy rows equal
+A row's tokens depend only on its own prompt, settings and RNG, never on its batch mates: greedy rows equal
 plain decoding, sampled rows follow the target's distribution (as far as the target computes a row the same in
 any pass: see verispec.backends). Requests join between rounds (`add`) and leave when they finish or are
 cancelled; the active rows keep the lowest slots (a leaving row's slot and the last row's swap their caches), so a
@@ -41,7 +41,7 @@ the shared pass). The engine knows token ids only; text stops come in as a callb
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -51,14 +51,14 @@ from verispec.core.draft import Draft
 from verispec.core.grammar import Grammars, apply_masks, walk_drafts
 from verispec.core.infill import TokenPieces
 from verispec.core.rows import commit, outcome, verify_rows
-from verispec.core.sampling import SamplingParams, generator_for
+from verispec.core.sampling import SamplingParams, rng_for
 from verispec.core.sequence import TokenSequence
 from verispec.core.timing import Clock, device_tensor, sync
 from verispec.decoding.policies.base import FixedK, KPolicy, Plan, RoundReport, RoundView, SharedKPolicy
 from verispec.decoding.prefill import prefill_plan
 from verispec.decoding.request import Committed, GenerationResult, Request, Resolved, StopFn, as_request, resolve
 from verispec.decoding.round import settle
-from verispec.decoding.row import Generation, Row, Turn
+from verispec.decoding.row import Row, Turn
 from verispec.decoding.tree_round import tree_round
 from verispec.names.drafters import DRAFT_MODEL_SOURCES, Source
 from verispec.names.k import DEFAULT_K, check_k
@@ -69,7 +69,7 @@ PREFILL_CHUNK = 512  # prompt tokens a round feeds at most, over all the rows st
 PLAIN = FixedK(0)  # the policy of a request decoded plainly (k = 0, or no drafter): one token a pass, no draft at all
 
 
-class SpeculativeGenerator:
+class SpeculativeEngine:
     """Speculative decoding over one target and one drafter (None: plain decoding), for up to `target.slots`
     requests at once. Requests resolve against this target's EOS ids and the pair's context (`max_length`), so that
     a request means the same alone and in a batch. `target` must be a TreeModel for a tree drafter; `auto_policy`
@@ -136,7 +136,7 @@ class SpeculativeGenerator:
         the test for its text stops, on token ids) into a free slot (ValueError: a bad request; RuntimeError: no
         free slot). It joins the next round, whose target pass feeds its prompt."""
         if not self.free_slots:
-            raise RuntimeError(f"the batch is full ({self.max_batch} sequences)")
+            raise RuntimeError(f"the batch is full: {self.max_batch} request(s) decoding (finish or close one first)")
         resolved = self.resolve(as_request(request, params, **fields))
         return self._admit(resolved, stop, resolved.new_result())
 
@@ -146,14 +146,14 @@ class SpeculativeGenerator:
         k = 0 if self.drafter is None else resolved.k
         seq = TokenSequence(prompt, len(prompt) + resolved.max_new_tokens + 1, self.device)
         row = Row(resolved, self.k_policy if k == "auto" else PLAIN if k == 0 else FixedK(k), stop, result, seq,
-                  generator_for(resolved.params, self.device), slot,
+                  rng_for(resolved.params, self.device), slot,
                   None if resolved.top_logprobs is None else [],
                   None if resolved.constraint is None else self.grammars.row(resolved.constraint))
         keep = min(common_prefix_length(self._held[slot], prompt), len(prompt) - 1, self.target.lengths[slot])
         self.target.rollback(slot, keep)  # the cache keeps what the prompt shares with the slot's last sequence
         result.stats.cached_tokens = keep
         if self.drafter is not None:
-            self.drafter.start(slot, seq, resolved.params, row.generator, row.grammar)
+            self.drafter.start(slot, seq, resolved.params, row.rng, row.grammar)
         row.policy.start()
         self.active.append(row)
         return row
@@ -321,7 +321,7 @@ class SpeculativeGenerator:
         rows = [turn.row for turn in turns]
         drafts, logits = self._score_masked(rows, [turn.asked for turn in turns], parts)
         verified = verify_rows([row.seq for row in rows], drafts, logits, [row.request.params for row in rows],
-                               [row.generator for row in rows])
+                               [row.rng for row in rows])
         if not turns:
             return
         host, at = torch.cat([outcome(n, nxt, draft) for (n, nxt), draft in zip(verified, drafts)]).tolist(), 0
@@ -336,7 +336,7 @@ class SpeculativeGenerator:
         """Score, verify and commit a row's token tree in one tree-masked pass (verispec.decoding.tree_round)."""
         row, turn.draft = turn.row, turn.asked
         turn.committed, turn.accepted, turn.path = tree_round(
-            self.target, row.slot, row.seq, turn.draft.tree, row.request.params, row.generator, row.logprobs,
+            self.target, row.slot, row.seq, turn.draft.tree, row.request.params, row.rng, row.logprobs,
             row.request.top_logprobs or 0)
 
     def _score_masked(self, rows: list[Row], proposed: list[Draft], parts: dict[Row, int]
@@ -415,34 +415,17 @@ class SpeculativeGenerator:
 
     # -- one request at a time -------------------------------------------------------------------------
 
-    def stream(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
-               stop: StopFn | None = None, **fields) -> Generation:
-        """Generate one request round by round, alone in the engine: a Request, or prompt ids with params and
-        Request's other fields as keywords (checked now: ValueError). `stop`: the test for the request's text
-        stops, on token ids."""
-        resolved = self.resolve(as_request(request, params, **fields))
-        result = resolved.new_result()
-        return Generation(self._lone(resolved, stop, result), result)
-
-    def _lone(self, resolved: Resolved, stop: StopFn | None, result: GenerationResult) -> Iterator[Committed]:
+    def generate(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
+                 stop: StopFn | None = None, **fields) -> GenerationResult:
+        """Generate one request to its end, alone in the engine (`add`'s arguments), its rounds the same as a
+        batch's: token ids in and out. Text, streaming and serving go through verispec.pipeline.slots."""
         if self.active:
-            raise RuntimeError("the engine is decoding other requests: one stream at a time")
-        row = self._admit(resolved, stop, result)
+            raise RuntimeError("the engine is decoding other requests: generate needs it to itself")
+        row = self.add(request, params, stop=stop, **fields)
         try:
             while not row.done:
-                for _, chunk in self.step():
-                    yield chunk
-        except GeneratorExit:  # closed between rounds: the caches are consistent
-            self.cancel(row)
-            raise
+                self.step()
         except BaseException:  # a round that raised (e.g. KeyboardInterrupt mid-pass) may leave a cache half updated
             self.abort()
             raise
-
-    def generate(self, request: Request | Iterable[int], params: SamplingParams | None = None, *,
-                 stop: StopFn | None = None, **fields) -> GenerationResult:
-        """Generate to the end (the arguments of `stream`)."""
-        generation = self.stream(request, params, stop=stop, **fields)
-        for _ in generation:
-            pass
-        return generation.result
+        return row.result

@@ -27,7 +27,7 @@ StopFn = Callable[[list[int]], "int | None"]
 
 @dataclass(frozen=True, kw_only=True)
 class Request:
-    """One generation. `k`: its draft length (None: the generator's); `stop`: text stop
+    """One generation. `k`: its draft length (None: the engine's); `stop`: text stop
     strings (the text layer applies them, and its two line rules for code completion: `min_indent` > 0, a line
     after the first indented less ends generation before its first character; `newline_after` seconds after the
     first token, the next newline ends it, kept); `stop_token_ids` end generation like EOS does; `ignore_eos`:

@@ -1,10 +1,9 @@
-"""One request being decoded (`Row`: what the engine keeps of it between rounds), its part in one round (`Turn`), and
-a lone request's rounds as an iterator (`Generation`)."""
+"""One request being decoded (`Row`: what the engine keeps of it between rounds) and its part in one round (`Turn`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +19,7 @@ from verispec.decoding.request import Committed, GenerationResult, Resolved, Sto
 @dataclass(eq=False)
 class Row:
     """One request being decoded: its resolved request, k policy and stop test, and its slot, committed sequence,
-    generator and result (filled as rounds commit). `prefilled` once a round has fed its whole prompt; `done` once
+    RNG and result (filled as rounds commit). `prefilled` once a round has fed its whole prompt; `done` once
     it finished or was cancelled."""
 
     request: Resolved
@@ -28,7 +27,7 @@ class Row:
     stop: StopFn | None
     result: GenerationResult
     seq: TokenSequence
-    generator: torch.Generator
+    rng: torch.Generator
     slot: int
     logprobs: list[TokenLogprob] | None = None
     grammar: GrammarRow | None = None  # the matcher of a constrained request (verispec.core.grammar)
@@ -69,18 +68,3 @@ class Turn:
     def fed(self) -> int:
         """Tokens it fed to the round's target pass: the unseen committed ones and the draft."""
         return self.unseen + self.draft.tokens.numel()
-
-
-class Generation:
-    """Iterate to get each round's newly committed tokens (`Committed`); `result` is filled as it goes.
-    Closing the iterator early (a client went away) leaves the engine consistent."""
-
-    def __init__(self, rounds: Iterator[Committed], result: GenerationResult) -> None:
-        self._rounds = rounds
-        self.result = result
-
-    def __iter__(self) -> Iterator[Committed]:
-        return self._rounds
-
-    def close(self) -> None:
-        self._rounds.close()  # type: ignore[attr-defined]

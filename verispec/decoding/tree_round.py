@@ -14,7 +14,7 @@ from verispec.core.tree import TokenTree, verify_tree
 
 
 def tree_round(target: Model, slot: int, seq: TokenSequence, tree: TokenTree, params: SamplingParams,
-               generator: torch.Generator, logprobs: list[TokenLogprob] | None,
+               rng: torch.Generator, logprobs: list[TokenLogprob] | None,
                top_logprobs: int) -> tuple[list[int], int, list[int]]:
     """Score, verify and commit `tree` for the sequence in `slot` in one tree-masked pass over its root (the last
     committed token) and nodes; the slot keeps the root and the accepted path, and `seq` the committed tokens (their
@@ -30,7 +30,7 @@ def tree_round(target: Model, slot: int, seq: TokenSequence, tree: TokenTree, pa
     visible = torch.cat([torch.ones(len(tree) + 1, 1, dtype=torch.bool, device=device), tree.paths()], dim=1)
     logits = target.forward_tree(slot, torch.cat([seq.device_ids[-1:], tree.tokens]), positions, base, visible,
                                  base + tree.depth)
-    path, token = verify_tree(tree_rows(logits, tree, params, seq), tree, params.greedy, generator)
+    path, token = verify_tree(tree_rows(logits, tree, params, seq), tree, params.greedy, rng)
     rows = [0] + [node + 1 for node in path]  # of logits: the rows that chose each committed token
     tokens = tree.tokens.tolist()
     committed = [tokens[node] for node in path] + [token]

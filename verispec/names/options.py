@@ -263,7 +263,7 @@ def _unsupported(params: SamplingParams, names: set[str], engine: str) -> None:
 
 def to_transformers(params: SamplingParams) -> dict[str, Any]:
     """transformers' generate keywords for these params (greedy: do_sample off); ValueError for an option it
-    lacks. A seed is not a generate keyword (transformers samples from torch's global generator)."""
+    lacks. A seed is not a generate keyword (transformers samples from torch's global RNG)."""
     opts = sampling_options()
     _unsupported(params, {name for name, opt in opts.items() if opt.transformers}, "transformers' generate")
     if params.greedy:

@@ -1,4 +1,4 @@
-"""A built pipeline: the generator with its tokenizer and the specs it was built from, generating text.
+"""A built pipeline: the engine with its tokenizer and the specs it was built from, generating text.
 
 `Pipeline.generate` and `Pipeline.stream` take a prompt as text, chat messages or token ids, and sampling
 settings as keywords or a transformers GenerationConfig; they apply stop strings at the text level and
@@ -17,15 +17,15 @@ from verispec.backends.base import Model
 from verispec.backends.vocab import VocabBridge
 from verispec.core.grammar import Constraint
 from verispec.core.sampling import SamplingParams
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.request import Committed, Request
-from verispec.decoding.row import Generation
+from verispec.decoding.stats import SpecStats
 from verispec.names.errors import SpecError
 from verispec.names.options import MAX_NEW_TOKENS, sampling_from
 from verispec.pipeline.completion import Completion
 from verispec.pipeline.fim import Budget, FimLayout, file_pairs, layout_of
-from verispec.pipeline.provenance import Piece, ProvenanceText
-from verispec.pipeline.slots import Slots, drain
+from verispec.pipeline.provenance import Piece
+from verispec.pipeline.slots import Slot, Slots, drain
 from verispec.pipeline.text import encode_messages
 
 # prompt: text, chat messages ({"role", "content"} dicts), token ids, or a [n] / [1, n] tensor of them
@@ -38,36 +38,46 @@ class TextStream:
     text per token); the piece counts over a stream add up to the result's token count and accepted count.
     `rounds()` gives each round's committed tokens with the piece they completed. `result` holds the
     Completion so far (final once iteration ended); `finished` says whether generation ran to its end.
-    Closing the stream early (a client went away) leaves the pipeline consistent. A transformers streamer,
-    when given, gets the prompt ids first (as transformers' generate does: a streamer made with
-    skip_prompt=True skips them), then each round's committed ids, and `end()` when generation ends, also when
-    it ends by an error or an early close."""
+    The request runs in a slot of the pipeline's engine (verispec.pipeline.slots, as a server's requests do),
+    taken when iteration starts. Closing the stream early (a client went away) leaves the pipeline consistent.
+    A transformers streamer, when given, gets the prompt ids first (as transformers' generate does: a streamer
+    made with skip_prompt=True skips them), then each round's committed ids, and `end()` when generation ends,
+    also when it ends by an error or an early close."""
 
-    def __init__(self, generation: Generation, text: ProvenanceText, prompt_ids: Sequence[int], streamer=None) -> None:
-        self._generation, self._text, self._streamer = generation, text, streamer
-        self._prompt_ids = list(prompt_ids)
+    def __init__(self, slots: Slots, request: Request, streamer=None) -> None:
+        self._slots, self._request, self._streamer = slots, request, streamer
+        self._slot: Slot | None = None  # once iteration started
         self._with_text = True
         self._events: Iterator[tuple[Committed, Piece | None]] | None = None
         self._texts: Iterator[str] | None = None
         self.finished = False
 
     def _run(self) -> Iterator[tuple[Committed, Piece | None]]:
-        streamer, text, with_text = self._streamer, self._text, self._with_text
+        slots, streamer, with_text = self._slots, self._streamer, self._with_text
         try:
             if streamer is not None:
-                streamer.put(torch.tensor([self._prompt_ids]))  # [1, n], as transformers' generate puts it
-            for chunk in self._generation:
-                if streamer is not None:
-                    streamer.put(torch.tensor(chunk))  # [m] newly committed ids
-                yield chunk, text.push(chunk) if with_text else None
+                streamer.put(torch.tensor([list(self._request.prompt_ids)]))  # [1, n], as transformers' generate
+            slot = self._slot = slots.add(self._request)
+            while not slot.done:
+                for _, chunk in slots.step():
+                    if streamer is not None:
+                        streamer.put(torch.tensor(chunk))  # [m] newly committed ids
+                    yield chunk, slot.push(chunk) if with_text else None
             self.finished = True
-            rest = text.finish() if with_text else None
+            rest = slot.text.finish() if with_text else None
             if rest is not None:
                 yield Committed([], 0), rest
+        except GeneratorExit:  # closed between rounds: the caches are consistent
+            if self._slot is not None:
+                slots.cancel(self._slot)
+            raise
+        except BaseException:  # a round that raised (e.g. KeyboardInterrupt mid-pass) may leave a cache half updated
+            if self._slot is not None:
+                slots.abort()
+            raise
         finally:
-            self._generation.close()
-            if with_text:
-                text.finish()
+            if with_text and self._slot is not None:
+                self._slot.text.finish()
             if streamer is not None:
                 streamer.end()
 
@@ -105,8 +115,11 @@ class TextStream:
 
     @property
     def result(self) -> Completion:
-        text = self._text if self._with_text else None
-        return Completion.of(text.text if text else "", self._generation.result, text.stop_reason if text else None)
+        slot = self._slot
+        if slot is None:  # not started: nothing generated yet
+            return Completion("", [], "length", SpecStats(prompt_tokens=len(self._request.prompt_ids)))
+        text = slot.text if self._with_text else None
+        return Completion.of(text.text if text else "", slot.result, text.stop_reason if text else None)
 
 
 def _is_prompt_list(prompt: Any) -> bool:
@@ -151,7 +164,7 @@ class DraftView(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class Pipeline:
-    """A target, its drafter and k, ready to generate. `generator` is the engine (token ids in and out);
+    """A target, its drafter and k, ready to generate. `engine` decodes (token ids in and out: SpeculativeEngine);
     `target` and `draft` are the resolved specs it was built from (`draft` None: plain decoding);
     `draft_model` the draft LM, if any; `draft_forward` how a transformers draft runs (lean, transformers;
     none otherwise); `load_seconds` what loading took, per part; `reason` why the target runs on its backend
@@ -160,7 +173,7 @@ class Pipeline:
     decode a batch (None: it can, with `make_batch(max_batch)`); `vocab_bridge` how a draft model of another
     tokenizer meets the target (None: the draft shares the target's)."""
 
-    generator: SpeculativeGenerator
+    engine: SpeculativeEngine
     tokenizer: Any
     target: TargetView
     draft: DraftView | None
@@ -171,9 +184,9 @@ class Pipeline:
     reason: str = ""
     kernels: str | None = None
     batch_reason: str | None = "batched decoding needs a pipeline made by verispec.assembly.build"
-    make_batch: Callable[[int], SpeculativeGenerator] | None = None
+    make_batch: Callable[[int], SpeculativeEngine] | None = None
     vocab_bridge: VocabBridge | None = None
-    _batches: dict[int, SpeculativeGenerator] = field(default_factory=dict, init=False, repr=False)  # by size
+    _batches: dict[int, SpeculativeEngine] = field(default_factory=dict, init=False, repr=False)  # by size
 
     # -- what was built ---------------------------------------------------------------------------
 
@@ -211,7 +224,7 @@ class Pipeline:
     @property
     def k(self) -> int | str:
         """Draft tokens per round: an integer (0: plain decoding) or 'auto'."""
-        return self.generator.k
+        return self.engine.k
 
     def setup(self) -> dict[str, object]:
         """What runs and why, for front ends to show: backend, drafter, k, dtype, the reason, the llama.cpp
@@ -229,7 +242,7 @@ class Pipeline:
     def context_length(self) -> int:
         """Tokens the pair can hold: the target's context, or the draft model's when that is shorter and counts the
         same tokens (a draft of another tokenizer stops drafting where its context ends)."""
-        n_ctx = self.generator.target.max_length
+        n_ctx = self.engine.target.max_length
         if self.draft_model is None or self.vocab_bridge is not None:
             return n_ctx
         return min(n_ctx, self.draft_model.max_length)
@@ -304,9 +317,9 @@ class Pipeline:
             request = prompt
         else:
             request = self.request(prompt, **settings)
-        text = ProvenanceText.of(self.tokenizer, request)
-        generation = self.generator.stream(request, stop=text.stop_test)
-        return TextStream(generation, text, request.prompt_ids, streamer)
+        slots = self.slots()
+        slots.check(request)
+        return TextStream(slots, request, streamer)
 
     def generate(self, prompt: Prompt | list[Prompt], **kwargs: Any) -> Completion | list[Completion]:
         """Generate to the end and return the Completion; takes the same arguments as `stream`. A list of
@@ -319,7 +332,7 @@ class Pipeline:
             pass
         return stream.result
 
-    def batch(self, max_batch: int) -> SpeculativeGenerator:
+    def batch(self, max_batch: int) -> SpeculativeEngine:
         """The engine of `max_batch` slots over this pipeline's models (the same weights, caches of its own, the
         same k policy), made on first use and kept (its caches are a llama.cpp context or a padded KV cache); one
         user at a time, like the pipeline. SpecError (runtime) when the pipeline cannot batch."""
@@ -337,13 +350,13 @@ class Pipeline:
         _check_max_batch(max_batch)
         if max_batch > 1 and self.batch_reason is None:
             return Slots(self.batch(max_batch), self.tokenizer)
-        return Slots(self.generator, self.tokenizer)
+        return Slots(self.engine, self.tokenizer)
 
     def generate_batch(self, prompts: Sequence[Prompt], *, max_batch: int = 8, stop: Sequence[str] | str = (),
                        k: int | str | None = None, generation_config=None, **settings: Any) -> list[Completion]:
         """One Completion per prompt, at most `max_batch` sequences decoding together (continuous batching:
         a finished sequence's slot takes the next prompt at once). Sampling keywords as `stream`; each
-        sequence gets its own generator (seed: the same seed for each). One at a time where the pipeline
+        sequence gets its own RNG (seed: the same seed for each). One at a time where the pipeline
         cannot batch (`batch_reason`). Every prompt is checked before any is generated (ValueError)."""
         requests = [self.request(p, stop=stop, k=k, generation_config=generation_config, **settings)
                     for p in prompts]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from verispec.decoding.engine import SpeculativeGenerator
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.request import Committed, GenerationResult, Request
 from verispec.decoding.row import Row
 from verispec.pipeline.completion import Completion
@@ -43,7 +43,7 @@ class Slots:
     """The requests of one engine, every one decoding in the same rounds. `size`: how many at most; `free`: how many
     more `add` takes now."""
 
-    def __init__(self, engine: SpeculativeGenerator, tokenizer) -> None:
+    def __init__(self, engine: SpeculativeEngine, tokenizer) -> None:
         self.engine, self.tokenizer, self.size = engine, tokenizer, engine.max_batch
         self._rows: dict[Row, Slot] = {}
 

@@ -28,7 +28,7 @@ DraftRow = tuple[int, TokenSequence, int, "int | None"]
 
 
 class Drafter(Protocol):
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
               grammar: GrammarRow | None = None) -> None:
         """Slot `slot` starts drafting for a new sequence (a cache may keep what it shares with the slot's last).
         `grammar`: a constrained sequence's matcher (verispec.core.grammar), which a drafter may mask its draws by
@@ -38,14 +38,16 @@ class Drafter(Protocol):
         """The source the slot's next draft would come from ('none': no draft would be offered)."""
 
     def pending(self, slot: int, seq: TokenSequence) -> int:
-        """Committed tokens the slot's next draft must first feed in a separate catch-up pass (0: none)."""
+        """Committed tokens to feed in a separate catch-up pass before the slot's next draft (0: none)."""
 
     def catch_up(self, slot: int, seq: TokenSequence, limit: int | None = None) -> int:
         """Feed up to `limit` (None: all) of the committed tokens the slot's next draft would otherwise feed in its
         catch-up pass; returns how many were fed. The engine times this call."""
 
     def propose(self, rows: list[DraftRow]) -> list[Draft]:
-        """Each row's draft of at most k tokens (fewer, or none, when its source has no more), in row order."""
+        """Each row's draft of at most k tokens (fewer, or none, when its source has no more), in row order. Its first
+        step feeds whatever committed tokens the slot's cache has not seen: the caller catches up first (`catch_up`,
+        the engine's alone) so that the first step feeds only a few."""
 
     def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of the slot's `drafted` tokens were committed to `seq`."""
@@ -63,7 +65,7 @@ class Drafter(Protocol):
 class Lookup(Protocol):
     """A free drafter of one sequence at a time: it looks its drafts up (no forward, nothing to catch up on)."""
 
-    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator) -> None:
         """A new generation begins on `seq`."""
 
     def source(self, seq: TokenSequence) -> str:

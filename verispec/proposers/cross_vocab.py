@@ -148,7 +148,7 @@ class Spelling:
     by_text: bool = False  # the round in flight drafts by text (else over the shared tokens)
     ways: WayChoice = field(default_factory=WayChoice)
     params: SamplingParams = field(default_factory=SamplingParams)
-    generator: torch.Generator | None = None
+    rng: torch.Generator | None = None
 
     @property
     def spelled(self) -> int:
@@ -248,7 +248,7 @@ class CrossVocabDraft:
 
     # -- the Drafter protocol ------------------------------------------------------------------------
 
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
               grammar: GrammarRow | None = None) -> None:
         """Keep the draft tokens spelling the text this sequence shares with the slot's last; the rest is encoded
         and fed lazily."""
@@ -260,7 +260,7 @@ class CrossVocabDraft:
         nbytes = sum(len(target_bytes[t]) for t in seq.ids[:shared])
         keep = bisect_right(s.ends, nbytes, hi=s.checked)
         del s.ids[keep:], s.ends[keep:], s.text[nbytes:]
-        s.seq, s.seen, s.checked, s.params, s.generator = seq, shared, keep, params, generator
+        s.seq, s.seen, s.checked, s.params, s.rng = seq, shared, keep, params, rng
         s.ways = WayChoice(self.sampled)
         self.model.rollback(slot, min(self.model.lengths[slot], keep))
 
@@ -273,8 +273,8 @@ class CrossVocabDraft:
         return Source.MODEL if self._fits(slot) else Source.NONE
 
     def pending(self, slot: int, seq: TokenSequence) -> int:
-        """Draft tokens the next propose would feed in a separate catch-up pass (0 when its first draft step feeds
-        them: at most FEED_MAX)."""
+        """Draft tokens to feed in a separate catch-up pass before the next propose (0 when its first draft step
+        feeds them: at most FEED_MAX)."""
         if not self._sync(slot, seq) or not self._fits(slot):
             return 0
         behind = len(self._slots[slot].ids) - self.model.lengths[slot]
@@ -303,8 +303,6 @@ class CrossVocabDraft:
             s = self._slots[slot]
             if not self._fits(slot, k):
                 continue
-            if self.pending(slot, seq):
-                self.catch_up(slot, seq)
             live.append(i)
             feeds[i] = device_tensor(s.ids[self.model.lengths[slot] :], self.model.device)
             s.base, s.seq_base, s.drafted = len(s.ids), len(seq), []
@@ -323,7 +321,7 @@ class CrossVocabDraft:
                     feeds[i] = token
                 else:
                     token, q = draft_token(self.bridge.to_target(row_logits), s.params, presence, counts,
-                                           seq.new_tokens + step, s.generator)  # [1] target id, q [1, V]
+                                           seq.new_tokens + step, s.rng)  # [1] target id, q [1, V]
                     presence, counts = after_token(presence, counts, token)
                     probs.append(q)
                     feeds[i] = self.bridge.to_draft(token)

@@ -1,7 +1,7 @@
 """A smaller causal LM drafts k tokens autoregressively from its own processed distribution q, for every drafting slot
 of a round at once: each draft step feeds all the rows still drafting in ONE forward (a row feeds the one or two
 committed tokens its cache has not seen, then its own last draft) and samples each row's token under that row's
-own settings and generator."""
+own settings and RNG."""
 
 from __future__ import annotations
 
@@ -34,14 +34,14 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def draft_token(
     logits: torch.Tensor, params: SamplingParams, presence: torch.Tensor | None, counts: torch.Tensor | None,
-    position: int, generator: torch.Generator | None,
+    position: int, rng: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft token [1] from draft logits [1, V] under the request's processing: the argmax (greedy;
     q None: one-hot) or a sample from q [1, V], which is returned for the rejection sampler."""
     processed = processed_rows(logits, params, presence, counts, position)  # the argmax [1] (greedy) or q [1, V]
     if params.greedy:
         return processed, None
-    return sample(processed, generator), processed
+    return sample(processed, rng), processed
 
 
 def after_token(
@@ -85,7 +85,7 @@ class DraftModel:
         self._base = [0] * slots  # len(seq) when the slot's last draft started
         self._grammars: list[GrammarRow | None] = [None] * slots
 
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
               grammar: GrammarRow | None = None) -> None:
         """Keep the cached prefix this sequence shares with the slot's last, unless the sequence is seeded and
         sampled (it prefills the draft anew: a draft's kernels can compute a prompt's tail after a cached prefix a
@@ -93,7 +93,7 @@ class DraftModel:
         the rest is fed lazily (catch_up or the first draft), so a generation that never drafts (a k policy found
         it does not pay) never prefills the draft. A constrained sequence's q is masked by its `grammar` at every
         step, so that its drafts are ones the grammar allows."""
-        self._settings[slot] = (params, generator)
+        self._settings[slot] = (params, rng)
         self._grammars[slot] = grammar
         held, n = self._held[slot]
         cached = held.ids[:n] if held is not None and not params.seeded_draws else []
@@ -105,8 +105,8 @@ class DraftModel:
         return Source.MODEL
 
     def pending(self, slot: int, seq: TokenSequence) -> int:
-        """Tokens the next propose would feed in a separate catch-up pass (0 when it just feeds the last one or two
-        committed tokens with its first draft step)."""
+        """Tokens to feed in a separate catch-up pass before the next propose (0 when its first draft step just feeds
+        the last one or two committed tokens)."""
         behind = len(seq) - self.model.lengths[slot]
         return behind - 1 if behind > 2 else 0
 
@@ -132,9 +132,7 @@ class DraftModel:
         feeds, state = {}, {}
         for i in live:
             slot, seq, _, _ = rows[i]
-            if self.pending(slot, seq):  # a prompt, or rounds decoded without this draft
-                self.catch_up(slot, seq)
-            feeds[i] = seq.device_ids[self.model.lengths[slot] :]  # [1 or 2] committed tokens not yet seen
+            feeds[i] = seq.device_ids[self.model.lengths[slot] :]  # unseen committed tokens (1 or 2 once caught up)
             self._base[slot] = len(seq)
             state[i] = (*penalty_state(seq, self._settings[slot][0], self.vocab_size), [], [])
         step, ended = 0, set()  # ended: rows whose grammar allows nothing after their last draft
@@ -142,13 +140,13 @@ class DraftModel:
             logits = draft_step(self.model, [rows[i][0] for i in live], [feeds[i] for i in live])
             for i, row_logits in zip(live, logits):
                 slot, seq, _, _ = rows[i]
-                params, generator = self._settings[slot]
+                params, rng = self._settings[slot]
                 presence, counts, tokens, probs = state[i]
                 position = seq.new_tokens + step  # the target's row for this draft sees the same
                 row_logits, grammar = align_vocab(row_logits, self.vocab_size), self._grammars[slot]
                 if grammar is not None:
                     row_logits = apply_masks(row_logits, grammar.draft_mask())
-                token, q = draft_token(row_logits, params, presence, counts, position, generator)
+                token, q = draft_token(row_logits, params, presence, counts, position, rng)
                 if grammar is not None and not grammar.drafted(int(token)):
                     ended.add(i)
                 presence, counts = after_token(presence, counts, token)

@@ -26,7 +26,8 @@ class HybridDrafter:
 
     def __init__(self, lookup: LookupDrafter, model: DraftModel | CrossVocabDraft) -> None:
         self.lookup, self.model = lookup, model
-        self._last: list[LookupDrafter | DraftModel | CrossVocabDraft | None] = [None] * model.model.slots  # who drafted per slot
+        # who drafted, per slot
+        self._last: list[LookupDrafter | DraftModel | CrossVocabDraft | None] = [None] * model.model.slots
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         source = self.lookup.source(slot, seq)
@@ -38,10 +39,10 @@ class HybridDrafter:
     def catch_up(self, slot: int, seq: TokenSequence, limit: int | None = None) -> int:
         return self.model.catch_up(slot, seq, limit) if self.source(slot, seq) == Source.MODEL else 0
 
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
               grammar: GrammarRow | None = None) -> None:
-        self.lookup.start(slot, seq, params, generator)
-        self.model.start(slot, seq, params, generator, grammar)
+        self.lookup.start(slot, seq, params, rng)
+        self.model.start(slot, seq, params, rng, grammar)
         self._last[slot] = None
 
     def propose(self, rows: list[DraftRow]) -> list[Draft]:

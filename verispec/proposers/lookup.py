@@ -26,9 +26,9 @@ class LookupDrafter:
     def __init__(self, lookups: Sequence[Lookup]) -> None:
         self.lookups = list(lookups)
 
-    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, generator: torch.Generator,
+    def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
               grammar: GrammarRow | None = None) -> None:
-        self.lookups[slot].start(seq, params, generator)
+        self.lookups[slot].start(seq, params, rng)
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         return self.lookups[slot].source(seq)

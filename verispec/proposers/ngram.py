@@ -66,7 +66,7 @@ class NgramProposer:
         self.last_match = 0  # n of the last match (0: none)
         self._index = NgramIndex(max_ngram)
 
-    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator) -> None:
         self.last_match = 0
 
     def match(self, seq: TokenSequence) -> tuple[int, int]:

@@ -264,7 +264,7 @@ class SuffixProposer:
 
     # -- this generation's index ---------------------------------------------------------------------
 
-    def start(self, seq: TokenSequence, params: SamplingParams, generator: torch.Generator) -> None:
+    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator) -> None:
         """Record the previous generation's output, then index `seq` (reusing the index when seq extends
         the sequence it was built on, as the next turn of a chat does: that output is then counted in both
         tries, which only weighs it more in the ranking of continuations)."""

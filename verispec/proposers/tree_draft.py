@@ -65,9 +65,7 @@ class TreeDraftModel(DraftModel):
         depth = min(self.max_depth, k, self.max_depth if depth is None else depth)
         if depth < 1:
             return empty
-        if self.pending(slot, seq):
-            self.catch_up(slot, seq)
-        feed = seq.device_ids[self.model.lengths[slot] :]  # [1 or 2] committed tokens not yet seen
+        feed = seq.device_ids[self.model.lengths[slot] :]  # committed tokens not yet seen (1 or 2 once caught up)
         self._base[slot] = base = len(seq)
         fed: dict[int, int] = {}  # node -> its row in the draft's cache after base
         last = self.model.forward_rows([slot], [feed], last_only=True)[0]

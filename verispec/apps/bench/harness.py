@@ -127,7 +127,7 @@ class Bench:
             model = self.pipeline(Config("hf draft", "spec", 1, "model")).draft_model
             if isinstance(model, HFModel):
                 return model.model
-        target = self.baseline.generator.target
+        target = self.baseline.engine.target
         return self.store.transformers_model(draft.model, self.baseline.device, next(target.model.parameters()).dtype)
 
     def hf_assistant_tokenizers(self) -> dict:
@@ -146,7 +146,7 @@ class Bench:
         from verispec.backends.llamacpp import LlamaCppModel, import_llama_cpp, open_llama
         from verispec.backends.loading import resolve_gguf
 
-        target = self.baseline.generator.target
+        target = self.baseline.engine.target
         if not lookup and isinstance(target, LlamaCppModel):
             return target.llm
         key = "llama-lookup" if lookup else "llama"
@@ -210,9 +210,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def _run_engine(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int, k: int | str,
                 warm: list[int] | None = None, text: bool = True) -> dict:
-    pipe.generator.reset()  # every run prefills from scratch: no run inherits another's cache
+    pipe.engine.reset()  # every run prefills from scratch: no run inherits another's cache
     if warm is not None:  # the earlier turn answered first, untimed: its caches and drafter state, as in a chat
-        pipe.generator.generate(warm, params, max_new_tokens=max_new, k=k)
+        pipe.engine.generate(warm, params, max_new_tokens=max_new, k=k)
     stream = pipe.stream(Request(prompt_ids=ids, params=params, max_new_tokens=max_new, k=k))
     first_tokens, timeline, start = 0, [], time.perf_counter()
     for committed, _ in stream.rounds(text=text):  # a round commits one token or several
@@ -234,10 +234,10 @@ def _run_hf(pipe: Pipeline, ids: list[int], params: SamplingParams, max_new: int
             tokenizers: dict | None = None) -> dict:
     """Hugging Face's own assisted generation on the same models (library defaults for the draft; `tokenizers`:
     the target's and the draft's when they differ), or its prompt lookup decoding when `draft_model` is None."""
-    target = pipe.generator.target.model
+    target = pipe.engine.target.model
     input_ids = torch.tensor([ids], device=pipe.device)
     kwargs: dict = dict(max_new_tokens=max_new, attention_mask=torch.ones_like(input_ids),
-                        eos_token_id=sorted(pipe.generator.eos_token_ids) or None)
+                        eos_token_id=sorted(pipe.engine.eos_token_ids) or None)
     if draft_model is not None:
         kwargs["assistant_model"] = draft_model
         kwargs.update(tokenizers or {})
@@ -259,7 +259,7 @@ def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: in
     if len(ids) + max_new > llm.n_ctx():
         raise ValueError(f"a prompt of {len(ids)} tokens + {max_new} new does not fit llama.cpp's n_ctx {llm.n_ctx()}")
     sampling = to_llama_cpp(params)
-    eos = pipe.generator.eos_token_ids
+    eos = pipe.engine.eos_token_ids
     llm.reset()  # forget what this Llama believes its context holds (verispec may have used it since)
 
     def generate(prompt: list[int]) -> tuple[list[int], float | None]:
@@ -279,7 +279,7 @@ def _run_llama(bench: Bench, ids: list[int], params: SamplingParams, max_new: in
     new, first = generate(ids)
     seconds = time.perf_counter() - t0
     ttft = None if first is None else first - t0
-    pipe.generator.reset()  # the target's llama.cpp context may be this one: its cache no longer holds ours
+    pipe.engine.reset()  # the target's llama.cpp context may be this one: its cache no longer holds ours
     return dict(new_tokens=len(new), seconds=seconds, token_ids=new, ttft=ttft, first_tokens=min(1, len(new)))
 
 
@@ -310,7 +310,7 @@ def run_benchmark(
         if c.kind == "hf" and bench.resolved_draft() is None:
             raise ValueError(f"configuration '{c.name}' needs a draft model")
         bench.pipeline(c)
-        if c.kind in ("hf", "hf-lookup") and not isinstance(bench.baseline.generator.target, HFModel):
+        if c.kind in ("hf", "hf-lookup") and not isinstance(bench.baseline.engine.target, HFModel):
             raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs a transformers "
                              f"target (the 'hf' backend)")
     if warm_history and any(c.kind in ("hf", "hf-lookup") for c in order):
@@ -331,7 +331,7 @@ def run_benchmark(
 
 def _plain_answer(pipe: Pipeline, messages: list[dict], max_new_tokens: int) -> str:
     """The target's plain greedy answer to a conversation (an earlier turn of a timed one; not timed)."""
-    pipe.generator.reset()
+    pipe.engine.reset()
     return pipe.generate(messages, max_new_tokens=max_new_tokens, k=0).text
 
 

@@ -114,7 +114,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="verispec", lifespan=lifespan, **docs)
     app.state.server = ServerState(pipeline, settings, worker, metrics, tokenizing,
                                    _setup(pipeline, settings, worker), context_length(pipeline),
-                                   pipeline.generator.target.vocab_size)
+                                   pipeline.engine.target.vocab_size)
     app.state.metrics, app.state.worker = metrics, worker
     guard = GuardSettings(settings.max_body_bytes, settings.api_key, settings.allowed_hosts, settings.max_in_flight,
                           RETRY_AFTER_SECONDS)

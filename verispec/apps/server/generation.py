@@ -98,7 +98,7 @@ def sampling_params(req: SamplingFields, state: ServerState) -> SamplingParams:
 
 def check_vocabulary(params: SamplingParams, state: ServerState, param: str) -> None:
     """A 400 when the params ask for the infill sampler and the model's token texts are not at hand."""
-    if params.infilling and state.pipeline.generator.vocabulary is None:
+    if params.infilling and state.pipeline.engine.vocabulary is None:
         raise APIError(400, "the infill sampler needs the model's token texts (a fast tokenizer)", param)
 
 
@@ -140,7 +140,7 @@ def check_request(state: ServerState, request: Request, req: SamplingFields) -> 
     """What only the engine can check (a grammar compiles, min_tokens fits it): a 400 naming the field. Runs on the
     tokenizing thread, so compiling a grammar stalls neither the event loop nor the decode loop."""
     try:
-        state.pipeline.generator.resolve(request)
+        state.pipeline.engine.resolve(request)
     except ValueError as exc:
         param = req.constraint()[1] or ("tools" if isinstance(req, ChatCompletionRequest) else None)
         raise APIError(400, str(exc), param) from None
