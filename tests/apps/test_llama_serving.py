@@ -67,20 +67,21 @@ def _run_schedule(slots, requests: list[Request]) -> tuple[dict[int, list[int]],
 @pytest.mark.parametrize("drafter", ["suffix", "model"])
 def test_staggered_batched_requests_equal_their_solo_outputs(pipes, drafter):
     """Six greedy requests through 4 slots, arriving at different rounds, one cancelled part-way and sent again:
-    every answer is bitwise its solo answer, and the cancelled one had committed a prefix of it. The schedule runs
-    twice: the second time the suffix drafter remembers every answer (its drafts change, the tokens do not)."""
+    every answer is bitwise its solo answer, and the cancelled one had committed a prefix of it. With the suffix
+    drafter the schedule runs twice: the second time it remembers every answer (its drafts change, the tokens do
+    not)."""
     pipe = pipes[drafter]
     requests = [_request(pipe, q) for q in QUESTIONS]
     solo = [pipe.generate(r).token_ids for r in requests]
     slots = pipe.slots(4)
     assert slots.size == 4
     accepted = []
-    for _ in range(2):
+    for _ in range(2 if drafter == "suffix" else 1):
         done, cancelled, n = _run_schedule(slots, requests)
         assert done == dict(enumerate(solo))
         assert cancelled and solo[1][: len(cancelled)] == cancelled
         accepted.append(n)
-    assert accepted[1] > 0  # drafts were verified beside other rows (the suffix drafter: from remembered answers)
+    assert accepted[-1] > 0  # drafts were verified beside other rows (the suffix drafter: from remembered answers)
 
 
 def test_concurrent_server_answers_equal_lone_answers(pipes):

@@ -269,7 +269,7 @@ PARAMS = SamplingParams(temperature=1.0, top_k=8)
 N_GEN = 400  # the draft is far from the target (TV ~0.8): the negative control fails at a glance
 # every generation reaches the three positions counted (token 1 from the prefill, token 2 the first draft's, token
 # 3 its bonus or the next round's); top-k 8 leaves 8 categories, so 400 samples resolve TV ~0.1
-SLOTS = 4  # generations decoded at once, in one context: each row's tokens follow from its own seed, as alone
+SLOTS = 8  # generations decoded at once, in one context: each row's tokens follow from its own seed, as alone
 
 
 def _histograms(engine, prompt, params, n, seed0=0):
@@ -285,7 +285,7 @@ def _llama_target_engine(llama, noisy_hf) -> SpeculativeEngine:
 
 
 def test_llama_target_marginals(llama, noisy_hf, short_prompt):
-    """llama.cpp target, noisy draft, T = 1, top-k 8, four sequences sharing each pass: every row's tokens 1-3 follow
+    """llama.cpp target, noisy draft, T = 1, top-k 8, eight sequences sharing each pass: every row's tokens 1-3 follow
     the target's exact marginals (N = 400 generations, V = 49,152 pooled by expected count; detects TV >= ~0.1;
     false-failure probability 3e-4)."""
     exact = _marginals(llama, short_prompt, PARAMS)
@@ -297,7 +297,7 @@ def test_llama_target_marginals(llama, noisy_hf, short_prompt):
 
 
 def test_llama_draft_marginals(llama_draft, noisy_hf, short_prompt):
-    """Mixed: a llama.cpp draft (four sequences in one context) for a noisy target on the transformers weights (the
+    """Mixed: a llama.cpp draft (eight sequences in one context) for a noisy target on the transformers weights (the
     lean path); tokens 1-3 follow the target's marginals."""
     target = LeanBatch(LeanNet(noisy_hf), SLOTS)
     exact = _marginals(target, short_prompt, PARAMS)
