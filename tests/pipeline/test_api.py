@@ -89,6 +89,24 @@ def test_stream_is_a_request_in_the_engines_slots(pipe):
     assert pipe.generate(PROMPT, max_new_tokens=30).token_ids == whole.token_ids
 
 
+def test_a_failing_streamer_leaves_the_request_not_the_caches(pipe):
+    """A streamer that raises between rounds ends its request (the error reaches the caller, the slot is free) but
+    not the caches, which are consistent there: the next request keeps the prompt's cached prefix."""
+
+    class Broken:
+        def put(self, value: torch.Tensor) -> None:
+            if value.dim() == 1:  # the first round's ids (the prompt came first, as [1, n])
+                raise OSError("the consumer went away")
+
+        def end(self) -> None:
+            pass
+
+    with pytest.raises(OSError, match="consumer"):
+        pipe.generate(PROMPT, max_new_tokens=20, streamer=Broken())
+    assert not pipe.engine.active
+    assert pipe.generate(PROMPT, max_new_tokens=5).stats.cached_tokens > 0
+
+
 def test_stop_string_cuts_the_text(pipe):
     whole = pipe.generate(PROMPT, max_new_tokens=30)
     stop = whole.text[5:8]

@@ -170,6 +170,39 @@ def test_hybrid_takes_the_model_where_the_lookup_has_no_match():
     assert hybrid.source(0, seq) == "model" and hybrid.pending(0, seq) == 7
 
 
+def test_hybrid_falls_back_to_a_caught_up_model():
+    """A confident lookup (its source) that drafts nothing hands the row to the draft model, which the engine did not
+    catch up for it: the hybrid catches it up first, so the model's first draft step feeds one or two tokens, as
+    every draft step after a catch-up does (a seeded row's q must not depend on how much its first step feeds)."""
+    import torch
+    from tiny import tiny_qwen2
+
+    from verispec.backends import HFModel
+    from verispec.core.draft import Draft
+    from verispec.core.sampling import SamplingParams
+    from verispec.core.sequence import TokenSequence
+    from verispec.proposers import DraftModel, HybridDrafter, LookupDrafter, NgramProposer
+
+    class Empty(NgramProposer):  # a match found, no draft drawn from it (a suffix walk below its min_prob)
+        def propose(self, seq, k):
+            return Draft(seq.device_ids.new_empty(0), None, "ngram")
+
+    class Feeds(HFModel):
+        def forward_rows(self, slots, feeds, *args, **kwargs):
+            self.widths.append([f.numel() for f in feeds])
+            return super().forward_rows(slots, feeds, *args, **kwargs)
+
+    draft = Feeds(tiny_qwen2(3, vocab_size=16))
+    draft.widths = []
+    hybrid = HybridDrafter(LookupDrafter([Empty(max_ngram=3, min_ngram=1, min_confident=2)]), DraftModel(draft, 16))
+    seq = TokenSequence([1, 2, 3, 4, 5, 6, 1, 2], 32, torch.device("cpu"))
+    hybrid.start(0, seq, SamplingParams(), torch.Generator())
+    assert hybrid.source(0, seq) == "ngram" and hybrid.pending(0, seq) == 0  # the engine catches nothing up
+    out = hybrid.propose([(0, seq, 3, None)])[0]
+    assert out.source == "model" and out.tokens.numel() == 3
+    assert draft.widths == [[7], [1], [1], [1]]  # the catch-up, then a first step over the last committed token
+
+
 def test_ngram_names_its_source_by_match_length():
     """Long matches, short matches and no match are separate sources for the k policy."""
     import torch

@@ -59,7 +59,12 @@ class TextStream:
                 streamer.put(torch.tensor([list(self._request.prompt_ids)]))  # [1, n], as transformers' generate
             slot = self._slot = slots.add(self._request)
             while not slot.done:
-                for _, chunk in slots.step():
+                try:
+                    chunks = slots.step()
+                except BaseException:  # a round that raised (e.g. KeyboardInterrupt mid-pass): no cache is trusted
+                    slots.abort()
+                    raise
+                for _, chunk in chunks:
                     if streamer is not None:
                         streamer.put(torch.tensor(chunk))  # [m] newly committed ids
                     yield chunk, slot.push(chunk) if with_text else None
@@ -67,13 +72,9 @@ class TextStream:
             rest = slot.text.finish() if with_text else None
             if rest is not None:
                 yield Committed([], 0), rest
-        except GeneratorExit:  # closed between rounds: the caches are consistent
+        except BaseException:  # closed, or failed, between rounds (a streamer, the text): the caches are consistent
             if self._slot is not None:
                 slots.cancel(self._slot)
-            raise
-        except BaseException:  # a round that raised (e.g. KeyboardInterrupt mid-pass) may leave a cache half updated
-            if self._slot is not None:
-                slots.abort()
             raise
         finally:
             if with_text and self._slot is not None:

@@ -54,6 +54,10 @@ class HybridDrafter:
                 if draft.tokens.numel() > 0:
                     drafts[i], self._last[slot] = draft, self.lookup
         rest = [i for i, draft in enumerate(drafts) if draft is None]
+        for i in rest:  # a confident lookup that found nothing: the engine did not catch the model up for it
+            slot, seq, k, _ = rows[i]
+            if k > 0 and self.model.pending(slot, seq):
+                self.model.catch_up(slot, seq)
         for i, draft in zip(rest, self.model.propose([rows[i] for i in rest])):
             drafts[i] = draft
             self._last[rows[i][0]] = self.model
