@@ -46,8 +46,8 @@ class Drafter(Protocol):
 
     def propose(self, rows: list[DraftRow]) -> list[Draft]:
         """Each row's draft of at most k tokens (fewer, or none, when its source has no more), in row order. Its first
-        step feeds whatever committed tokens the slot's cache has not seen: the caller catches up first (`catch_up`,
-        the engine's alone) so that the first step feeds only a few."""
+        step feeds whatever committed tokens the slot's cache has not seen: the engine catches a row up first
+        (`pending`, `catch_up`: timed apart) so that the first step feeds only a few."""
 
     def observe(self, slot: int, seq: TokenSequence, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of the slot's `drafted` tokens were committed to `seq`."""
