@@ -12,6 +12,7 @@ from stats_util import chi2_pvalue, generation_histograms
 from test_engine import ALPHA
 from test_penalties import _exact_marginals as _penalised_marginals
 from tiny import (
+    as_model,
     bpe_tokenizer,
     byte_tokenizer,
     permuted_byte_tokenizer,
@@ -21,7 +22,6 @@ from tiny import (
 )
 
 from verispec.backends import HFModel
-from verispec.backends.lean import LeanBatch, LeanNet
 from verispec.backends.vocab import VocabBridge
 from verispec.catalog.vocab import shared_tokens, token_bytes
 from verispec.core.sampling import SamplingParams, probs_from_logits
@@ -40,10 +40,7 @@ DRAFT_MERGES = [("a", "b"), ("ab", "c"), ("d", "a"), ("Ġ", "a")]
 def cross_engine(target, draft, target_tok, draft_tok, k=3, eos=(), slots=1, sampled="auto") -> SpeculativeEngine:
     """An engine whose draft speaks `draft_tok` and the target `target_tok` (transformers models; slots > 1: both
     on the lean path); `sampled`: how sampled rows draft."""
-    if slots == 1:
-        t, d = HFModel(target), HFModel(draft)
-    else:
-        t, d = LeanBatch(LeanNet(target), slots), LeanBatch(LeanNet(draft), slots)
+    t, d = as_model(target, slots), as_model(draft, slots)
     bridge = VocabBridge(target_tok, draft_tok, t.vocab_size, d.vocab_size, CPU)
     return SpeculativeEngine(t, CrossVocabDraft(d, bridge, sampled), eos_token_ids=eos, k=k,
                              auto_policy=CostAwareK())
