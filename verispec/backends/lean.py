@@ -72,12 +72,13 @@ def _fuse(*linears: nn.Linear) -> nn.Linear:
     first = linears[0]
     weight = torch.cat([l.weight.detach() for l in linears])
     has_bias = any(l.bias is not None for l in linears)
-    fused = type(first)(first.in_features, weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(weight)
-        if has_bias:
-            fused.bias.copy_(torch.cat([l.bias.detach() if l.bias is not None
-                                        else l.weight.new_zeros(l.out_features) for l in linears]))
+    # made on the meta device (no random initialisation of a weight about to be replaced), then given the tensors
+    fused = type(first)(first.in_features, weight.shape[0], bias=has_bias, device="meta", dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([l.bias.detach() if l.bias is not None
+                                             else l.weight.new_zeros(l.out_features) for l in linears]),
+                                  requires_grad=False)
     return fused
 
 
