@@ -40,6 +40,14 @@ def test_smollm2_chat_answer(capsys):
     assert int4["token_ids"] == plain["token_ids"] and int4["draft_quant"] == "int4"
 
 
+def _answer(pipe, **settings) -> dict:
+    """The answer to PROMPT as `verispec generate --json` gives it (token_ids, stats), from a fresh engine (a
+    ModelStore's pipelines share their loaded models, whose caches hold the last pipeline's sequence)."""
+    pipe.engine.reset()
+    out = pipe.generate([{"role": "user", "content": PROMPT}], max_new_tokens=32, **settings)
+    return {"token_ids": out.token_ids, "stats": out.stats.to_dict()}
+
+
 def test_default_target_on_transformers_fp32_greedy_identical_with_each_draft():
     """The default target on transformers, fp32, one chat prompt decoded plainly once, the target loaded once (a
     ModelStore): the same tokens with the default draft (k = 4) and with SmolLM2-135M drafting (another tokenizer:
@@ -48,49 +56,44 @@ def test_default_target_on_transformers_fp32_greedy_identical_with_each_draft():
     from verispec.assembly.store import ModelStore
 
     _need(DEFAULT_TARGET, DEFAULT_DRAFT, "smollm2-135m-instruct")
-    store, messages = ModelStore(), [{"role": "user", "content": PROMPT}]
-
-    def run(pipe, **settings) -> dict:
-        """The answer as `verispec generate --json` gives it (token_ids, stats)."""
-        pipe.engine.reset()  # the target's caches hold the last pipeline's sequence
-        out = pipe.generate(messages, max_new_tokens=48, **settings)
-        return {"token_ids": out.token_ids, "stats": out.stats.to_dict()}
-
-    plain = run(verispec.load(DEFAULT_TARGET, backend="hf", dtype="fp32", drafter=None, store=store))
-    spec = run(verispec.load(DEFAULT_TARGET, DEFAULT_DRAFT, backend="hf", dtype="fp32", k=4, store=store))
+    store = ModelStore()
+    plain = _answer(verispec.load(DEFAULT_TARGET, backend="hf", dtype="fp32", drafter=None, store=store))
+    spec = _answer(verispec.load(DEFAULT_TARGET, DEFAULT_DRAFT, backend="hf", dtype="fp32", k=4, store=store))
     assert spec["token_ids"] == plain["token_ids"]
     s = spec["stats"]
     speedup = s["tokens_per_second"] / plain["stats"]["tokens_per_second"]
     print(f"\ndefault pair fp32: acceptance {s['acceptance_rate']:.3f}, mean accepted length "
           f"{s['mean_accepted_length']:.2f}, speedup {speedup:.2f}x (same run)")
     assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often
-    smollm2 = verispec.load(DEFAULT_TARGET, "smollm2-135m-instruct", backend="hf", draft_backend="hf", dtype="fp32",
-                            k=4, store=store)
-    _check_smollm2_drafts(smollm2.setup()["shared_vocab"], run(smollm2), plain["token_ids"],
-                          [run(smollm2, temperature=0.7, seed=3) for _ in range(2)], "hf")
+    _check_smollm2_drafts(store, plain["token_ids"], backend="hf", draft_backend="hf", dtype="fp32")
 
 
-def _check_smollm2_drafts(shared_vocab: str, spec: dict, plain_ids: list[int], sampled: list[dict], backend: str):
-    """SmolLM2-135M drafting for the default target (answers as `verispec generate --json` gives them): greedy output
+def _check_smollm2_drafts(store, plain_ids: list[int], **settings):
+    """SmolLM2-135M drafting for the default target (k = 4; `settings`: the backends): greedy output
     token-identical to plain decoding; the draft's tokens are accepted; a sampled run reproduces from its seed."""
+    import verispec
+
+    pipe = verispec.load(DEFAULT_TARGET, "smollm2-135m-instruct", k=4, store=store, **settings)
+    assert "39,237 tokens in common" in pipe.setup()["shared_vocab"]
+    spec = _answer(pipe)
     assert spec["token_ids"] == plain_ids
     s = spec["stats"]
-    print(f"\nsmollm2 -> default target ({backend}): acceptance {s['acceptance_rate']:.3f}, mean accepted length "
-          f"{s['mean_accepted_length']:.2f}")
-    assert s["acceptance_rate"] > 0.3 and "39,237 tokens in common" in shared_vocab
+    print(f"\nsmollm2 -> default target ({settings['backend']}): acceptance {s['acceptance_rate']:.3f}, mean accepted "
+          f"length {s['mean_accepted_length']:.2f}")
+    assert s["acceptance_rate"] > 0.3
+    sampled = [_answer(pipe, temperature=0.7, seed=3) for _ in range(2)]
     assert sampled[0]["token_ids"] == sampled[1]["token_ids"] and sampled[0]["stats"]["accepted"] > 0
 
 
-def test_smollm2_drafts_for_the_default_target_on_llama_cpp(capsys):
-    """SmolLM2-135M drafting for the default target, both on llama.cpp, through `verispec generate` (transformers:
-    the test above)."""
+def test_smollm2_drafts_for_the_default_target_on_llama_cpp():
+    """SmolLM2-135M drafting for the default target, both on llama.cpp (transformers: the test above)."""
+    import verispec
+    from verispec.assembly.store import ModelStore
+
     _need(DEFAULT_TARGET, "smollm2-135m-instruct")
-    common = ["--chat", "--prompt", PROMPT, "--max-new-tokens", "48", "--backend", "llamacpp",
-              "--draft", "smollm2-135m-instruct", "--draft-backend", "llamacpp", "-k", "4"]
-    spec = _generate(capsys, *common)
-    _check_smollm2_drafts(spec["shared_vocab"], spec, _generate(capsys, *common, "--no-speculation")["token_ids"],
-                          [_generate(capsys, *common, "--temperature", "0.7", "--seed", "3") for _ in range(2)],
-                          "llamacpp")
+    store = ModelStore()
+    plain = _answer(verispec.load(DEFAULT_TARGET, backend="llamacpp", drafter=None, store=store))
+    _check_smollm2_drafts(store, plain["token_ids"], backend="llamacpp", draft_backend="llamacpp")
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", DEFAULT_DRAFT])

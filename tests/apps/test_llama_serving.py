@@ -13,7 +13,7 @@ import pytest
 
 import verispec
 from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-from verispec.decoding.request import Request
+from verispec.decoding.request import GenerationResult, Request
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,20 @@ def pipes():
         pytest.skip(f"the kernels here are not batch-invariant: {suffix.kernels}")
     model = verispec.load(DEFAULT_TARGET, DEFAULT_DRAFT, backend="llamacpp", drafter="model", k=4)
     return {"suffix": suffix, "model": model}
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    """Greedy answers by a key, decoded once in the module: they are the default target's own, whichever drafter's
+    pipeline (or the server) decodes them, and the tests ask each of them to reproduce them."""
+    answers = {}
+
+    def answer(key, pipe, *args, **kwargs) -> GenerationResult:
+        if key not in answers:
+            answers[key] = pipe.generate(*args, **kwargs)
+        return answers[key]
+
+    return answer
 
 
 def _request(pipe, question: str) -> Request:
@@ -65,14 +79,14 @@ def _run_schedule(slots, requests: list[Request]) -> tuple[dict[int, list[int]],
 
 
 @pytest.mark.parametrize("drafter", ["suffix", "model"])
-def test_staggered_batched_requests_equal_their_solo_outputs(pipes, drafter):
+def test_staggered_batched_requests_equal_their_solo_outputs(pipes, greedy, drafter):
     """Six greedy requests through 4 slots, arriving at different rounds, one cancelled part-way and sent again:
     every answer is bitwise its solo answer, and the cancelled one had committed a prefix of it. With the suffix
     drafter the schedule runs twice: the second time it remembers every answer (its drafts change, the tokens do
     not)."""
     pipe = pipes[drafter]
     requests = [_request(pipe, q) for q in QUESTIONS]
-    solo = [pipe.generate(r).token_ids for r in requests]
+    solo = [greedy(("solo", q), pipe, r).token_ids for q, r in zip(QUESTIONS, requests)]
     slots = pipe.slots(4)
     assert slots.size == 4
     accepted = []
@@ -84,10 +98,11 @@ def test_staggered_batched_requests_equal_their_solo_outputs(pipes, drafter):
     assert accepted[-1] > 0  # drafts were verified beside other rows (the suffix drafter: from remembered answers)
 
 
-def test_concurrent_server_answers_equal_lone_answers(pipes):
-    """`verispec serve` on the default backend: four greedy requests sent at once get the answers each got when it
-    was sent alone, and /v1/models says the batch's kernels are batch-invariant. (That the suffix drafter's memory of
-    earlier answers changes no token: the staggered test's second schedule.)"""
+def test_concurrent_server_answers_equal_lone_answers(pipes, greedy):
+    """`verispec serve` on the default backend: four greedy requests sent at once get the answers each gets alone
+    (the library's, decoded in this process: the same tokens, a request at a time), and /v1/models says the batch's
+    kernels are batch-invariant. (That the suffix drafter's memory of earlier answers changes no token: the staggered
+    test's second schedule.)"""
     import httpx
     from server_util import ServerProcess
 
@@ -100,7 +115,8 @@ def test_concurrent_server_answers_equal_lone_answers(pipes):
             assert reply.status_code == 200, reply.text
             return reply.json()["choices"][0]["message"]["content"]
 
-        alone = [ask(q) for q in QUESTIONS[:4]]
+        pipe = pipes["suffix"]
+        alone = [greedy(("solo", q), pipe, _request(pipe, q)).text for q in QUESTIONS[:4]]
         with ThreadPoolExecutor(4) as pool:
             together = list(pool.map(ask, QUESTIONS[:4]))
         assert together == alone
@@ -144,20 +160,21 @@ def test_fim_prompt_is_llama_servers(pipes):
 
 
 @pytest.mark.parametrize("drafter", ["suffix", "model"])
-def test_infills_equal_plain_decoding(pipes, drafter):
+def test_infills_equal_plain_decoding(pipes, greedy, drafter):
     """Infills of a cut line with the default drafter and the draft model: the tokens of plain decoding of the same
     prompt; then each sent again with a longer prefix (an editor typing on) reuses the cached prefix."""
     pipe = pipes[drafter]
     for line, after in CUTS:
         at = CODE.index(line)
         prefix, suffix = CODE[:at], CODE[at + len(line) - 1:]
-        plain = pipe.generate(prefix, suffix=suffix, files=FILES, max_new_tokens=24, k=0)
+        plain = greedy(("infill", prefix), pipe, prefix, suffix=suffix, files=FILES, max_new_tokens=24, k=0).token_ids
         spec = pipe.generate(prefix, suffix=suffix, files=FILES, max_new_tokens=24)
-        assert spec.token_ids == plain.token_ids, line
+        assert spec.token_ids == plain, line
         typed = prefix + line[:6]
         resent = pipe.generate(typed, suffix=suffix, files=FILES, max_new_tokens=24)
         assert resent.stats.cached_tokens >= len(pipe.encode_infill(prefix, "", FILES)) - 2
-        assert resent.token_ids == pipe.generate(typed, suffix=suffix, files=FILES, max_new_tokens=24, k=0).token_ids
+        assert resent.token_ids == greedy(("infill", typed), pipe, typed, suffix=suffix, files=FILES, max_new_tokens=24,
+                                          k=0).token_ids
     assert pipe.fim is not None and "return" in pipe.generate(CODE[:CODE.index("    return")], suffix="\n",
                                                                 max_new_tokens=8).text
 
@@ -172,7 +189,7 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
 
 
 @pytest.mark.parametrize("drafter", ["suffix", "model"])
-def test_structured_output_equals_plain_decoding_under_the_grammar(pipes, drafter):
+def test_structured_output_equals_plain_decoding_under_the_grammar(pipes, greedy, drafter):
     """On the real default pair: a JSON schema's greedy answer and a required tool call are valid and token for token
     plain decoding's under the same grammar (the draft model masking its q, the suffix drafter's drafts cut); the two
     requests decoded side by side in one batch are each as alone."""
@@ -186,10 +203,10 @@ def test_structured_output_equals_plain_decoding_under_the_grammar(pipes, drafte
     ids = encode_messages(pipe.tokenizer, [{"role": "user", "content": "Is it raining in Lyon?"}], WEATHER)
     call = Request(prompt_ids=ids, max_new_tokens=80, constraint=tools.constraint(WEATHER, parallel=False))
     answers = []
-    for request in (person, call):
+    for key, request in (("person", person), ("call", call)):
         spec = pipe.generate(request)
-        plain = pipe.generate(replace(request, k=0))
-        assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop", spec.text
+        assert spec.token_ids == greedy(key, pipe, replace(request, k=0)).token_ids and spec.finish_reason == "stop", \
+            spec.text
         answers.append(spec)
     data = json.loads(answers[0].text)
     assert set(data) == {"name", "age", "languages"} and "Ada" in data["name"] and answers[0].stats.accepted > 0

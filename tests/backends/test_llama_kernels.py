@@ -327,7 +327,7 @@ def test_generate_with_exact_kernels_is_token_identical_to_plain_decoding():
     prompt = "Rewrite this function with a loop instead of recursion, keeping its name:\n\n" + "\n".join(
         f"def f{i}(n):\n    return n if n < 2 else f{i}(n - 1) + f{i}(n - 2)\n" for i in range(12))
     common = [sys.executable, "-m", "verispec.apps.cli", "generate", "--target", DEFAULT_TARGET, "--backend", "llamacpp",
-              "--chat", "--prompt", prompt, "--max-new-tokens", "64", "--exact-kernels", "--json"]
+              "--chat", "--prompt", prompt, "--max-new-tokens", "32", "--exact-kernels", "--json"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     outs = []
     for extra in (["--drafter", "suffix", "-k", "6"], ["--no-speculation"]):

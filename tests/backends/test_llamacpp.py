@@ -63,9 +63,12 @@ def prompt(tokenizer):
 
 @pytest.fixture(scope="module")
 def short_prompt(tokenizer):
-    """The distribution tests' prompt: a seeded row prefills its draft anew (as it must: its draws may not depend on
-    what ran before it), so hundreds of generations each pay that prefill."""
-    return tokenizer(TEXT[: TEXT.index(":") + 1])["input_ids"]
+    """The distribution tests' prompt, one token: a seeded row prefills its draft anew (its draws may not depend on
+    what ran before it), and a prompt of one token is fed by the draft's first step, beside the first generated
+    token, in the round's batched step (a longer one: a catch-up pass per row, hundreds of them)."""
+    ids = tokenizer(TEXT[: TEXT.index(" ")])["input_ids"]
+    assert len(ids) == 1, ids
+    return ids
 
 
 @pytest.fixture(scope="module")
