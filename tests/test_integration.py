@@ -40,11 +40,11 @@ def test_smollm2_chat_answer(capsys):
     assert int4["token_ids"] == plain["token_ids"] and int4["draft_quant"] == "int4"
 
 
-def _answer(pipe, **settings) -> dict:
+def _answer(pipe, max_new_tokens: int = 32, **settings) -> dict:
     """The answer to PROMPT as `verispec generate --json` gives it (token_ids, stats), from a fresh engine (a
     ModelStore's pipelines share their loaded models, whose caches hold the last pipeline's sequence)."""
     pipe.engine.reset()
-    out = pipe.generate([{"role": "user", "content": PROMPT}], max_new_tokens=32, **settings)
+    out = pipe.generate([{"role": "user", "content": PROMPT}], max_new_tokens=max_new_tokens, **settings)
     return {"token_ids": out.token_ids, "stats": out.stats.to_dict()}
 
 
@@ -81,7 +81,7 @@ def _check_smollm2_drafts(store, plain_ids: list[int], **settings):
     print(f"\nsmollm2 -> default target ({settings['backend']}): acceptance {s['acceptance_rate']:.3f}, mean accepted "
           f"length {s['mean_accepted_length']:.2f}")
     assert s["acceptance_rate"] > 0.3
-    sampled = [_answer(pipe, temperature=0.7, seed=3) for _ in range(2)]
+    sampled = [_answer(pipe, 16, temperature=0.7, seed=3) for _ in range(2)]
     assert sampled[0]["token_ids"] == sampled[1]["token_ids"] and sampled[0]["stats"]["accepted"] > 0
 
 

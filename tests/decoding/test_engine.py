@@ -318,25 +318,33 @@ def test_loop_marginals_match_target(small_vocab_pair, params):
 def test_loop_marginals_with_cost_learning_rounds(small_vocab_pair):
     """k = auto from a fresh policy every generation: two plain rounds (the first one's pass feeds the prompt),
     a round that verifies a free guess (a filler round, q one-hot), the draft's timed step (reported as free
-    here, so that it drafts), then model drafts. Tokens 1-5 follow the target's exact marginals (N = 3000, V = 8; false-failure probability 5e-4)."""
+    here, so that it drafts), then model drafts. Tokens 1-5 follow the target's exact marginals (N = 3000, V = 8;
+    false-failure probability 5e-4). Eight generations at a time, each row planned by its own policy (a row whose
+    policy is not the engine's is planned and taught alone, in a shared round too)."""
     from verispec.decoding.policies.cost_aware import CostAwareK
 
     target, draft = small_vocab_pair
-    params, steps = SamplingParams(temperature=1.0), 5
+    params, steps, n = SamplingParams(temperature=1.0), 5, 3000
     exact = _exact_marginals(target, [3, 1, 2], params, steps)
     counts = torch.zeros(steps, 8, dtype=torch.long)
-    eng = make_engine(target, draft, k="auto")
+    eng = make_engine(target, draft, k="auto", slots=8)
     timed = eng._time_draft_step
     eng._time_draft_step = lambda row: timed(row) and 1e-9
-    learned = drafted = 0
-    for i in range(3000):
-        eng.k_policy = CostAwareK(k_max=4)
-        out = eng.generate([3, 1, 2], SamplingParams(temperature=1.0, seed=20_000 + i), max_new_tokens=steps + 2)
-        learned += eng.k_policy.by_source["model"].costs.t_draft is not None
-        drafted += out.stats.draft_forwards > 0
-        for pos, tok in enumerate(out.token_ids[:steps]):
+    waiting, rows = list(range(n)), []
+    while waiting or eng.active:
+        while waiting and eng.free_slots:
+            seeded = SamplingParams(temperature=1.0, seed=20_000 + waiting.pop(0))
+            row = eng.add([3, 1, 2], seeded, max_new_tokens=steps + 2)
+            row.policy = CostAwareK(k_max=4)  # a fresh policy: nothing learnt from earlier generations
+            row.policy.start()
+            rows.append(row)
+        eng.step()
+    learned = sum(row.policy.by_source["model"].costs.t_draft is not None for row in rows)
+    drafted = sum(row.result.stats.draft_forwards > 0 for row in rows)
+    for row in rows:
+        for pos, tok in enumerate(row.result.token_ids[:steps]):
             counts[pos, tok] += 1
-    assert learned == 3000 and drafted > 2000  # the rounds after the filler drafted with the model
+    assert learned == n and drafted > 2000  # the rounds after the filler drafted with the model
     for pos in range(steps):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
