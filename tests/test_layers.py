@@ -104,3 +104,15 @@ def test_the_library_imports_without_transformers():
             "print(sorted(m for m in ('transformers', 'llama_cpp') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_assembly_imports_no_transformers_model_code():
+    """Building a pipeline (verispec.assembly) imports transformers' model code only when a transformers model is
+    loaded: a llama.cpp pipeline needs its tokenizers, not the seconds that model code takes to import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, verispec.apps.cli.generate, verispec.apps.server.app, verispec.apps.bench.harness; "
+            "print(sorted(m for m in ('transformers.modeling_utils', 'verispec.backends.hf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

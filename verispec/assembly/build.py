@@ -21,7 +21,7 @@ from verispec.assembly.registry import BACKENDS, DRAFTERS, is_loaded
 from verispec.assembly.resolve import check_exact_kernels, choose_dtype, default_refs, resolve, resolve_target_backend
 from verispec.assembly.specs import DraftSpec, TargetSpec, check_k
 from verispec.assembly.store import ModelStore, lean_net
-from verispec.backends import HFModel
+from verispec.backends import is_hf_model
 from verispec.backends.base import Model
 from verispec.backends.lean import LeanBatch, lean_unsupported
 from verispec.backends.loading import DTYPES, eog_token_ids
@@ -157,7 +157,7 @@ def batch_unsupported(pipe: Pipeline) -> str | None:
     if pipe.draft_model is not None and pipe.draft_forward == "transformers" and pipe.draft_quant != "none":
         return "a quantised draft batches on the lean path only (draft forward lean)"
     for model in models:
-        if isinstance(model, HFModel):
+        if is_hf_model(model):
             reason = lean_unsupported(model.model)
             if reason is not None:
                 return f"batched decoding runs on the lean path, which cannot run {reason}"
@@ -167,7 +167,7 @@ def batch_unsupported(pipe: Pipeline) -> str | None:
 def _with_slots(model: Model, slots: int) -> Model:
     """A Model of `slots` sequences on `model`'s weights (caches of its own): llama.cpp opens another context, the
     lean path another cache; a transformers model runs on its lean net."""
-    if isinstance(model, HFModel):
+    if is_hf_model(model):
         lean = LeanBatch(lean_net(model), slots)
         lean.max_length = model.max_length
         return lean

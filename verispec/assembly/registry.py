@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from verispec.backends import HFModel
 from verispec.backends.base import Model
 from verispec.backends.lean import LeanBatch, LeanNet, lean_unsupported
 from verispec.backends.linear import orient_linears
@@ -78,6 +77,8 @@ def _load_hf(request: LoadRequest) -> tuple[Model, list[int]]:
             raise SpecError(str(exc), "draft.forward", runtime=True) from exc
         quantize_model(model.net, request.quant)
         return model, eos
+    from verispec.backends.hf import HFModel  # transformers' model code: imported where a transformers model runs
+
     return HFModel(quantize_model(hf_model, request.quant)), eos
 
 

@@ -1,7 +1,9 @@
 """Models and their KV caches. `HFModel` (transformers) is imported on first use, so that the interfaces in
-base.py, and what is built on them, load without transformers."""
+base.py, and what is built on them, load without transformers (whose model code takes seconds to import: a
+llama.cpp pipeline never needs it)."""
 
 import importlib
+import sys
 
 from verispec.backends.base import Model, Sequence, TreeModel, common_prefix_length
 
@@ -12,4 +14,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'verispec.backends' has no attribute {name!r}")
 
 
-__all__ = ["Model", "HFModel", "Sequence", "TreeModel", "common_prefix_length"]
+def is_hf_model(model: object) -> bool:
+    """Whether `model` is an HFModel, without importing transformers to find out: none exists before
+    verispec.backends.hf is imported."""
+    hf = sys.modules.get("verispec.backends.hf")
+    return hf is not None and isinstance(model, hf.HFModel)
+
+
+__all__ = ["Model", "HFModel", "Sequence", "TreeModel", "common_prefix_length", "is_hf_model"]

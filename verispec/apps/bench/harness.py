@@ -16,7 +16,7 @@ from verispec.assembly.registry import BACKENDS, DRAFTERS
 from verispec.assembly.resolve import resolve
 from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.assembly.store import ModelStore
-from verispec.backends import HFModel
+from verispec.backends import is_hf_model
 from verispec.backends.quant import QUANT_MODES
 from verispec.backends.vocab import same_vocabulary
 from verispec.core.sampling import SamplingParams
@@ -125,7 +125,7 @@ class Bench:
             raise ValueError("Hugging Face assisted generation needs a draft model")
         if draft.backend == "hf" and draft.quant == "none" and not draft.vocab:
             model = self.pipeline(Config("hf draft", "spec", 1, "model")).draft_model
-            if isinstance(model, HFModel):
+            if is_hf_model(model):
                 return model.model
         target = self.baseline.engine.target
         return self.store.transformers_model(draft.model, self.baseline.device, next(target.model.parameters()).dtype)
@@ -310,7 +310,7 @@ def run_benchmark(
         if c.kind == "hf" and bench.resolved_draft() is None:
             raise ValueError(f"configuration '{c.name}' needs a draft model")
         bench.pipeline(c)
-        if c.kind in ("hf", "hf-lookup") and not isinstance(bench.baseline.engine.target, HFModel):
+        if c.kind in ("hf", "hf-lookup") and not is_hf_model(bench.baseline.engine.target):
             raise ValueError(f"configuration '{c.name}' runs Hugging Face generate: it needs a transformers "
                              f"target (the 'hf' backend)")
     if warm_history and any(c.kind in ("hf", "hf-lookup") for c in order):
