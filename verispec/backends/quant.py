@@ -66,8 +66,7 @@ class Int8Linear(_PackedLinear):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         w = linear.weight.detach().float()
-        # the largest |w| per row (no |w| copy), and one temporary the size of the weight: a draft's layers are
-        # quantised right after its load, when fresh memory costs page faults
+        # the largest |w| per row without a |w| copy; the codes in one temporary the size of the weight
         scales = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_min(1e-8) / 127.0  # [out]
         codes = (w / scales[:, None]).round_().clamp_(-127, 127)
         self.register_buffer("weight", codes.to(torch.int8))
