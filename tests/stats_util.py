@@ -39,10 +39,12 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((emp - probs.double()).abs().sum())
 
 
-def seeded_results(engine, prompt: list[int], params, n: int, steps: int, seed0: int = 0, **fields) -> list:
+def seeded_results(engine, prompt: list[int], params, n: int, steps: int, seed0: int = 0, admitted=None,
+                   **fields) -> list:
     """The GenerationResults of n seeded generations of `steps` tokens from one engine (seeds seed0, seed0 + 1, ...;
-    `fields`: Request's other fields). The engine decodes as many at once as it has slots (a freed slot takes the
-    next seed at once): each row's tokens follow from its own seed, as alone, in fewer passes."""
+    `fields`: Request's other fields; `admitted(row)`, if given, sees each row as it joins). The engine decodes as
+    many at once as it has slots (a freed slot takes the next seed at once): each row's tokens follow from its own
+    seed, as alone, in fewer passes."""
     from dataclasses import replace
 
     waiting, rows = list(range(n)), []
@@ -50,6 +52,8 @@ def seeded_results(engine, prompt: list[int], params, n: int, steps: int, seed0:
         while waiting and engine.free_slots:
             seeded = replace(params, seed=seed0 + waiting.pop(0))
             rows.append(engine.add(prompt, seeded, max_new_tokens=steps, **fields))
+            if admitted is not None:
+                admitted(rows[-1])
         engine.step()
     return [row.result for row in rows]
 

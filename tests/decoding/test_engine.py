@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats_util import chi2_pvalue, generation_histograms
+from stats_util import chi2_pvalue, generation_histograms, seeded_results
 from tiny import lone_rounds, make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
@@ -330,19 +330,18 @@ def test_loop_marginals_with_cost_learning_rounds(small_vocab_pair):
     eng = make_engine(target, draft, k="auto", slots=8)
     timed = eng._time_draft_step
     eng._time_draft_step = lambda row: timed(row) and 1e-9
-    waiting, rows = list(range(n)), []
-    while waiting or eng.active:
-        while waiting and eng.free_slots:
-            seeded = SamplingParams(temperature=1.0, seed=20_000 + waiting.pop(0))
-            row = eng.add([3, 1, 2], seeded, max_new_tokens=steps + 2)
-            row.policy = CostAwareK(k_max=4)  # a fresh policy: nothing learnt from earlier generations
-            row.policy.start()
-            rows.append(row)
-        eng.step()
-    learned = sum(row.policy.by_source["model"].costs.t_draft is not None for row in rows)
-    drafted = sum(row.result.stats.draft_forwards > 0 for row in rows)
-    for row in rows:
-        for pos, tok in enumerate(row.result.token_ids[:steps]):
+    policies = []
+
+    def fresh_policy(row) -> None:  # nothing learnt from earlier generations
+        row.policy = CostAwareK(k_max=4)
+        row.policy.start()
+        policies.append(row.policy)
+
+    results = seeded_results(eng, [3, 1, 2], params, n, steps + 2, seed0=20_000, admitted=fresh_policy)
+    learned = sum(policy.by_source["model"].costs.t_draft is not None for policy in policies)
+    drafted = sum(result.stats.draft_forwards > 0 for result in results)
+    for result in results:
+        for pos, tok in enumerate(result.token_ids[:steps]):
             counts[pos, tok] += 1
     assert learned == n and drafted > 2000  # the rounds after the filler drafted with the model
     for pos in range(steps):
