@@ -15,7 +15,8 @@ from verispec.assembly.registry import BACKENDS, DRAFTERS, Backend
 from verispec.assembly.resolve import choose_draft_quant, default_refs, resolve
 from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.assembly.store import ModelStore
-from verispec.backends.gguf import CONTEXT_STEP, context_size, gguf_metadata, kv_bytes_per_token
+from verispec.backends.gguf import CONTEXT_STEP, context_size, kv_bytes_per_token
+from verispec.catalog.gguf import gguf_metadata
 from verispec.names.errors import SpecError
 from verispec.names.k import default_k
 

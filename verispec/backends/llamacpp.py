@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from verispec.backends.base import check_copy, check_rows
-from verispec.backends.gguf import CONTEXT_STEP, available_memory, context_size, gguf_metadata, matmul_weight_types
+from verispec.backends.gguf import CONTEXT_STEP, available_memory, context_size
+from verispec.catalog.gguf import gguf_metadata, matmul_weight_types
 from verispec.names.errors import ModelError
 
 N_BATCH = 512  # tokens per llama_decode call (a longer pass is split)
