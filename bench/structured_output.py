@@ -3,6 +3,7 @@ GSM8K, MIT; HumanEval, MIT), decoded by the pipeline's default (its drafter and 
 same schema, in the same process, taking turns (each request's runs in a balanced order).
 
     python bench/structured_output.py [--n 30] [--max-new-tokens 256] [--target ...] [--draft ...] [--json out.json]
+        [--kinds extract,plan,tool] [--no-lookup-texts-too]
     python bench/structured_output.py --endpoint http://127.0.0.1:8080/v1 [--n 30] [--json out.json]
 
 With --endpoint, the same requests go to an OpenAI-compatible server one at a time, greedy (response_format
@@ -15,6 +16,8 @@ Three kinds of request, --n / 3 of each:
 - tool: a HumanEval function implemented through a required tool call (the chat template's tools, the call's
   grammar and parser the server's: verispec.pipeline.tools), write_file's content copying the prompt's code, as an
   agent's edit does; valid when every call parses and its arguments validate against its function's parameters.
+With --no-lookup-texts-too the default also runs without the prompt's strings JSON-escaped for its drafter to copy
+(Request.lookup_texts), in the same turns: what copying them adds.
 Prints, per kind and overall: tokens/s of both, the ratio (the default's over plain's, aggregate tokens over
 aggregate seconds), answers that parse and validate against their schema (the jsonschema package), greedy answers
 identical to plain's, and the grammar's cost per generated token (walking drafts, masks, commits) against one
@@ -127,6 +130,9 @@ def main() -> int:
     ap.add_argument("--draft", default=None, help="the draft model (default: the default pair's)")
     ap.add_argument("--json", default=None, help="write every run's record here")
     ap.add_argument("--endpoint", default=None, help="an OpenAI-compatible server's /v1 URL instead of the library")
+    ap.add_argument("--kinds", default="extract,plan,tool", help="the kinds of request to run (comma-separated)")
+    ap.add_argument("--no-lookup-texts-too", action="store_true",
+                    help="also run the default without the prompt's JSON-escaped strings to copy from (lookup_texts)")
     args = ap.parse_args()
     if args.endpoint:
         return endpoint(args)
@@ -135,35 +141,41 @@ def main() -> int:
     except ImportError:
         print("bench/structured_output.py needs jsonschema: pip install -e '.[bench]'", file=sys.stderr)
         return 2
+    import dataclasses
+
     import verispec
     from verispec.apps.bench.measured import balanced_orders
     from verispec.decoding.request import Request
-    from verispec.pipeline.text import encode_messages
+    from verispec.pipeline.text import encode_messages, json_string_texts, prompt_strings
     from verispec.pipeline.tools import ToolFormat
 
     pipe = verispec.load(args.target, args.draft)
     clock = GrammarClock()
-    configs = {"default": None, "plain": 0}
+    configs = {"default": None, "plain": 0} | ({"no-texts": None} if args.no_lookup_texts_too else {})
+    kinds = set(args.kinds.split(","))
     print(f"target {pipe.target_ref}, drafter {pipe.drafter}, k {pipe.k}, backend {pipe.backend}; "
           f"{args.n} requests, max_new_tokens {args.max_new_tokens}", flush=True)
     pipe.generate("warm up", max_new_tokens=4, json_schema=SOLVE)
     tool_format = ToolFormat.of(pipe.tokenizer)
     records, orders = [], balanced_orders(len(configs))
     for i, req in enumerate(requests(args.n)):
+        if req["kind"] not in kinds:
+            continue
+        if "tools" in req:
+            request = Request(prompt_ids=encode_messages(pipe.tokenizer, req["messages"], req["tools"]),
+                              max_new_tokens=args.max_new_tokens,
+                              constraint=tool_format.constraint(req["tools"], parallel=False),
+                              lookup_texts=json_string_texts(pipe.tokenizer, prompt_strings(req["messages"])))
+        else:
+            request = pipe.request(req["messages"], json_schema=req["schema"], max_new_tokens=args.max_new_tokens)
         answers = {}
         for c in orders[i % len(orders)]:
             name = list(configs)[c]
             fresh(pipe)
             before = clock.seconds
             t0 = time.perf_counter()
-            if "tools" in req:
-                ids = encode_messages(pipe.tokenizer, req["messages"], req["tools"])
-                out = pipe.generate(Request(prompt_ids=ids, max_new_tokens=args.max_new_tokens,
-                                            k=configs[name],
-                                            constraint=tool_format.constraint(req["tools"], parallel=False)))
-            else:
-                out = pipe.generate(req["messages"], json_schema=req["schema"], max_new_tokens=args.max_new_tokens,
-                                    k=configs[name])
+            out = pipe.generate(dataclasses.replace(request, k=configs[name], **(
+                {"lookup_texts": ()} if name == "no-texts" else {})))
             seconds = time.perf_counter() - t0
             valid = _valid(jsonschema, out.text, req)
             stats = out.stats
@@ -172,13 +184,12 @@ def main() -> int:
                             "seconds": seconds, "valid": valid, "finish_reason": out.finish_reason,
                             "grammar_seconds": clock.seconds - before, "target_seconds": stats.target_seconds,
                             "target_forwards": stats.target_forwards, "accepted": stats.accepted})
-        same = answers["default"] == answers["plain"]
+        same = len(set(answers.values())) == 1
         for r in records[-len(configs):]:
             r["identical"] = same
         last = {r["config"]: r for r in records[-len(configs):]}
-        print(f"{i:2d} {req['kind']:8s} {last['plain']['tokens']:4d} tokens  default "
-              f"{last['default']['tokens'] / last['default']['seconds']:5.1f} tok/s  plain "
-              f"{last['plain']['tokens'] / last['plain']['seconds']:5.1f} tok/s  valid "
+        speeds = "  ".join(f"{c} {r['tokens'] / r['seconds']:5.1f} tok/s" for c, r in last.items())
+        print(f"{i:2d} {req['kind']:8s} {last['plain']['tokens']:4d} tokens  {speeds}  valid "
               f"{last['default']['valid']}/{last['plain']['valid']}  identical {same}", flush=True)
     report(records)
     if args.json:
@@ -211,6 +222,8 @@ def endpoint(args) -> int:
     with httpx.Client(timeout=600) as client:
         model = client.get(args.endpoint.rstrip("/") + "/models").json()["data"][0]["id"]
         for i, req in enumerate(requests(args.n)):
+            if req["kind"] not in args.kinds.split(","):
+                continue
             body = {"model": model, "messages": req["messages"], "max_tokens": args.max_new_tokens, "temperature": 0}
             if "tools" in req:
                 body.update(tools=req["tools"], tool_choice="required", parallel_tool_calls=False)
@@ -271,6 +284,11 @@ def report(records: list[dict]) -> None:
               f"{same:4d}/{len(by['default']):<4d}  "
               f"{grammar['default'] * 1e3:.2f} ms, {grammar['plain'] * 1e3:.2f} ms / {plain_pass * 1e3:.1f} ms = "
               f"{grammar['default'] / plain_pass:.1%}, {grammar['plain'] / plain_pass:.1%}")
+        bare = [r for r in rows if r["config"] == "no-texts"]
+        if bare:
+            bare_speed = sum(r["tokens"] for r in bare) / sum(r["seconds"] for r in bare)
+            print(f"{'':8s} without lookup texts: {bare_speed:.1f} tok/s, {bare_speed / speed['plain']:.2f}x plain; "
+                  f"the default {speed['default'] / bare_speed:.2f}x that")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 #   ngram-mod  llama-server --jinja --spec-type ngram-mod: its own free drafter
 #   verispec   verispec serve (EXTRA_SERVE adds flags)
 # SERVERS picks some (default: all three), each on a fresh server. The requests are bench/structured_output.py's (N,
-# default 30: extraction and planning under a JSON schema, tool calls with tool_choice required; MAX_NEW tokens,
-# default 256). Prints each server's tok/s (end to end), answers valid and answers equal to llama-server plain's,
+# default 30: extraction and planning under a JSON schema, tool calls with tool_choice required; KINDS picks some of
+# extract,plan,tool; MAX_NEW tokens, default 256). Prints each server's tok/s (end to end), answers valid and answers equal to llama-server plain's,
 # and the ratios of verispec's tok/s; the records land in out/structured_vs_llama_server/. KERNELS as
 # bench/llama_server.sh.
 set -euo pipefail
@@ -31,7 +31,7 @@ for name in ${SERVERS:-plain ngram-mod verispec}; do
         *) echo "unknown server '$name' (plain, ngram-mod, verispec)" >&2; exit 2 ;;
     esac
     "$python" bench/structured_output.py --endpoint "$url/v1" --n "${N:-30}" --max-new-tokens "${MAX_NEW:-256}" \
-        --json "$out/$name.json" > "$out/$name.txt"
+        --kinds "${KINDS:-extract,plan,tool}" --json "$out/$name.json" > "$out/$name.txt"
     server_stop
     tail -1 "$out/$name.txt" | sed "s/^/$name /"
 done

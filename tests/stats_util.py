@@ -59,11 +59,11 @@ def seeded_results(engine, prompt: list[int], params, n: int, steps: int, seed0:
 
 
 def generation_histograms(engine, prompt: list[int], params, n: int, steps: int, vocab_size: int,
-                          seed0: int = 0) -> tuple[torch.Tensor, int, int]:
-    """Token counts [steps, V] per position over n seeded generations (`seeded_results`), with the drafted and
-    accepted tokens summed over them."""
+                          seed0: int = 0, **fields) -> tuple[torch.Tensor, int, int]:
+    """Token counts [steps, V] per position over n seeded generations (`seeded_results`; `fields`: Request's other
+    fields), with the drafted and accepted tokens summed over them."""
     counts = torch.zeros(steps, vocab_size, dtype=torch.long)
-    results = seeded_results(engine, prompt, params, n, steps, seed0)
+    results = seeded_results(engine, prompt, params, n, steps, seed0, **fields)
     for result in results:
         for pos, tok in enumerate(result.token_ids[:steps]):
             counts[pos, tok] += 1

@@ -770,3 +770,32 @@ def test_several_choices(client):
         client.completions.create(**{**long, "seed": 40 + i}).choices[0].text for i in range(3)]
     again = client.completions.create(**long)
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_json_answers_get_the_prompt_json_escaped_to_copy(pair_dirs, monkeypatch):
+    """A chat that offers tools (auto or required) or asks for a JSON schema hands its drafter the messages' text
+    as JSON strings write it (Request.lookup_texts: code's newlines and quotes escaped); a plain chat does not."""
+    import asyncio
+
+    from verispec.pipeline.text import json_string_texts
+
+    engine, app = _in_process_app(pair_dirs[0])
+    seen = []
+    resolve = engine.resolve
+    monkeypatch.setattr(engine, "resolve", lambda request: seen.append(request) or resolve(request))
+    code = 'def f(x):\n    return "x"'
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": code}]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    bodies = [{}, {"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "required"}, {"response_format": schema}]
+
+    async def scenario():
+        async with app.router.lifespan_context(app), _in_process_client(app) as client:
+            for body in bodies:
+                r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                    "max_tokens": 2, **body})
+                assert r.status_code == 200, r.text
+
+    asyncio.run(scenario())
+    escaped = json_string_texts(app.state.server.pipeline.tokenizer, [code])
+    requests = list({id(r): r for r in seen}.values())  # each is resolved when checked and when admitted
+    assert len(escaped) == 1 and [r.lookup_texts for r in requests] == [(), escaped, escaped, escaped]

@@ -10,6 +10,7 @@ from tiny import lone_rounds, make_engine, perturbed, tiny_qwen2
 from verispec import SamplingParams
 from verispec.backends import HFModel, Sequence
 from verispec.core.draft import Draft
+from verispec.decoding.request import Request
 
 ALPHA = 1e-4
 
@@ -264,6 +265,8 @@ def test_bad_arguments(pair):
         eng.generate([1] * 4100, max_new_tokens=3)
     with pytest.raises(ValueError, match="out of range"):
         eng.generate([1, 64], max_new_tokens=3)
+    with pytest.raises(ValueError, match="lookup text"):
+        eng.generate(Request(prompt_ids=(1, 2), max_new_tokens=3, lookup_texts=((3, 64),)))
 
 
 # -- the emitted distribution through the whole loop ----------------------------------------------

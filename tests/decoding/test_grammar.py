@@ -97,7 +97,7 @@ class RandomDrafts:
     def __init__(self):
         self.gen = torch.Generator().manual_seed(5)
 
-    def start(self, seq, params, rng):
+    def start(self, seq, params, rng, texts=()):
         pass
 
     def source(self, seq):
@@ -133,8 +133,8 @@ def half_forbidden(logits):
 class UnmaskedDraft(DraftModel):
     """A draft model that does not mask its q by the grammar: half its draws forbidden, the residual's test."""
 
-    def start(self, slot, seq, params, rng, grammar=None):
-        super().start(slot, seq, params, rng, None)
+    def start(self, slot, seq, params, rng, grammar=None, texts=()):
+        super().start(slot, seq, params, rng, None, texts)
 
 
 def _engine(target, drafter, k=2, during_pass=False, slots=1):

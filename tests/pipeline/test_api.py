@@ -11,7 +11,7 @@ from tiny import perturbed, text_pair
 from transformers import GenerationConfig, TextIteratorStreamer
 
 import verispec
-from verispec.pipeline.text import encode_messages
+from verispec.pipeline.text import encode_messages, json_string_texts
 
 PROMPT = "The quick brown fox"
 
@@ -62,6 +62,19 @@ def test_prompt_forms(pipe, models):
         pipe.generate(torch.tensor([ids, ids]), max_new_tokens=2)
     with pytest.raises(TypeError):
         pipe.generate([1.5, 2.5], max_new_tokens=2)
+
+
+def test_a_json_answer_copies_the_prompt_json_escaped(pipe, plain, models):
+    """Under a JSON schema the request carries the prompt's strings JSON-escaped for the drafter to copy
+    (lookup_texts); without one it does not; greedy JSON answers equal plain decoding's either way."""
+    _, _, tok = models
+    messages = [{"role": "user", "content": 'say "hi"\nthen stop'}]
+    request = pipe.request(messages, json_schema={"type": "object"}, max_new_tokens=12)
+    assert request.lookup_texts == json_string_texts(tok, [messages[0]["content"]]) != ()
+    assert pipe.request(messages, max_new_tokens=12).lookup_texts == ()
+    assert pipe.request(messages, regex="[a-z]+", max_new_tokens=12).lookup_texts == ()
+    answer = pipe.generate(request)
+    assert answer.token_ids == plain.generate(messages, json_schema={"type": "object"}, max_new_tokens=12).token_ids
 
 
 def test_stream_yields_the_generated_text(pipe):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny import byte_tokenizer
 
-from verispec.pipeline.text import TextAssembler, encode_messages, encode_prompt
+from verispec.pipeline.text import TextAssembler, encode_messages, encode_prompt, json_string_texts, prompt_strings
 
 
 @pytest.fixture(scope="module")
@@ -323,3 +323,17 @@ def test_rules_and_stop_strings_the_first_decided_wins(tok):
         asm = TextAssembler(tok, stop=stop, min_indent=min_indent)
         _stream_until_stop(asm, tok(text).input_ids, 2)
         assert asm.text == want, (stop, min_indent)
+
+
+def test_json_string_texts_are_the_prompts_strings_escaped(tok):
+    """A prompt's strings as a JSON string value holds them (newlines and quotes escaped, non-ASCII as it is); a
+    string with nothing to escape is left out; chat messages give their string content and text parts."""
+    import json
+
+    code = 'def f(x):\n    return "héllo"'
+    messages = [{"role": "system", "content": "plain"}, {"role": "user", "content": code},
+                {"role": "user", "content": [{"type": "text", "text": "a\tb"}]}, {"role": "assistant", "content": None}]
+    assert prompt_strings(messages) == ["plain", code, "a\tb"] and prompt_strings(code) == [code]
+    texts = json_string_texts(tok, prompt_strings(messages))
+    assert [tok.decode(t) for t in texts] == ['def f(x):\\n    return \\"héllo\\"', "a\\tb"]
+    assert tok.decode(texts[0]) in json.dumps({"content": code}, ensure_ascii=False)

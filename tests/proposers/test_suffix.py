@@ -9,7 +9,7 @@ import pytest
 import torch
 from stats_util import chi2_pvalue, generation_histograms
 from test_engine import _exact_marginals
-from tiny import tiny_qwen2
+from tiny import make_engine, tiny_qwen2
 
 from verispec import SamplingParams
 from verispec.backends import HFModel
@@ -151,6 +151,38 @@ def test_empty_history_and_match_without_continuation():
     assert p.source(seq) == "suffix-short"
 
 
+def test_lookup_texts_are_counted_beside_the_sequence():
+    """A request's other texts are counted in the generation's trie with the sequence (every context's counts as a
+    brute-force count over both): a match found only there drafts its continuation; a tie goes to the sequence."""
+    seq, texts = seq_of([9, 3, 4]), [[1, 3, 4, 7, 8, 2], [5, 4, 6]]
+    assert started(SuffixProposer(), seq).source(seq) == "none"  # nothing in the sequence alone
+    p = SuffixProposer(spec_factor=4.0, history_tokens=0)
+    p.start(seq, SamplingParams(), torch.Generator(), texts)
+    for context in ([], [3], [3, 4], [4], [9, 3]):
+        assert p._trie.continuations(context) == _brute_continuations([seq.ids] + texts, context, p.max_depth)
+    assert p.propose(seq, 3).tokens.tolist() == [7, 8, 2]  # [3, 4] matched in the first text
+    grow(seq, [6, 9, 3])  # the sequence now holds [9, 3] -> 4, as does nothing else: its own continuation
+    assert p.propose(seq, 1).tokens.tolist() == [4]
+    tie = seq_of([2, 5, 1, 2])  # after [2]: 5 in the sequence, 6 in the text, once each
+    p.start(tie, SamplingParams(), torch.Generator(), [[2, 6]])
+    assert p.propose(tie, 1).tokens.tolist() == [5]
+
+
+def test_other_texts_rebuild_the_index():
+    """A next turn reuses the index only with the same texts: new ones are indexed afresh, and the last request's
+    texts are forgotten."""
+    p = SuffixProposer(history_tokens=0)
+    first = seq_of([1, 2, 3])
+    p.start(first, SamplingParams(), torch.Generator(), [[3, 7, 8]])
+    trie = p._trie
+    p.start(seq_of([1, 2, 3, 5, 3]), SamplingParams(), torch.Generator(), [[3, 7, 8]])
+    assert p._trie is trie and p._trie.continuations([3]) == {7: 1, 5: 1}
+    p.start(seq_of([1, 2, 3, 5, 3]), SamplingParams(), torch.Generator(), [[3, 9]])
+    assert p._trie is not trie and p._trie.continuations([3]) == {9: 1, 5: 1}
+    p.start(seq_of([1, 2, 3, 5, 3]), SamplingParams(), torch.Generator())
+    assert p._trie.continuations([3]) == {5: 1}
+
+
 def test_invalid_parameters():
     for kwargs in ({"max_depth": 1}, {"spec_factor": 0}, {"min_prob": 1.5}, {"min_confident": 0},
                    {"history_tokens": -1}):
@@ -245,6 +277,21 @@ def test_greedy_identical_to_plain(target, k, prompt):
         assert spec.stats.drafted > 0 and spec.stats.accepted > 0
 
 
+def test_greedy_identical_with_lookup_texts(target):
+    """Drafts copied from a request's lookup texts: the plain answer itself (every draft accepted) and a text that
+    matches the prompt's end with the wrong continuation (every draft rejected) give the plain tokens."""
+    from verispec.decoding.request import Request
+
+    plain = engine(target).generate(DISTINCT, max_new_tokens=30).token_ids
+    right, wrong = tuple(DISTINCT[-3:] + plain), tuple(DISTINCT[-3:] + [(t + 1) % 64 for t in plain])
+    for text, copies in ((right, True), (wrong, False)):
+        p = Recording(history_tokens=0, spec_factor=4.0)
+        out = engine(target, p, k=8).generate(Request(prompt_ids=DISTINCT, max_new_tokens=30, lookup_texts=(text,)))
+        assert out.token_ids == plain
+        assert p.drafts[0] == list(text[3:11]) and out.stats.drafted >= 8
+        assert out.stats.accepted >= 20 if copies else out.stats.accepted < out.stats.drafted / 2
+
+
 def test_auto_keeps_a_policy_per_match_kind(target):
     prompt = [5, 6, 7, 8, 9, 10] * 8 + [3, 5]
     plain = engine(target).generate(prompt, max_new_tokens=60).token_ids
@@ -327,6 +374,20 @@ def test_sampling_marginals_match_target(small_vocab_target):
     exact = _exact_marginals(small_vocab_target, PROMPT, params, 3)
     counts, drafted = _histograms(small_vocab_target, params, 3000, 3)
     assert drafted > 1000  # drafts were really made
+    for pos in range(3):
+        assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
+
+
+def test_sampling_marginals_with_lookup_texts(small_vocab_target):
+    """Drafts from a request's lookup text alone (no history): tokens 1-3 follow the target's exact marginals.
+    N = 3000, V = 8; false-failure probability 3 x ALPHA."""
+    params = SamplingParams(temperature=1.0)
+    exact = _exact_marginals(small_vocab_target, PROMPT, params, 3)
+    lookups = [SuffixProposer(min_prob=0.0, history_tokens=0) for _ in range(8)]  # eight rows at once, each alone
+    eng = make_engine(small_vocab_target, drafter=LookupDrafter(lookups), k=3, slots=8)
+    counts, drafted, _ = generation_histograms(eng, PROMPT, params, 3000, 3, small_vocab_target.config.vocab_size,
+                                               lookup_texts=((3, 1, 5, 6, 3, 1, 5, 6, 7),))
+    assert drafted > 3000
     for pos in range(3):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 

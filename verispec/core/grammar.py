@@ -61,6 +61,11 @@ class Constraint:
     def json_object() -> Constraint:
         return Constraint("json_object")
 
+    @property
+    def is_json(self) -> bool:
+        """Whether the answer is a JSON value (a schema's, or any object)."""
+        return self.kind in ("json_schema", "json_object")
+
     @staticmethod
     def regex(pattern: str) -> Constraint:
         if not isinstance(pattern, str) or not pattern:

@@ -153,7 +153,7 @@ class SpeculativeEngine:
         self.target.rollback(slot, keep)  # the cache keeps what the prompt shares with the slot's last sequence
         result.stats.cached_tokens = keep
         if self.drafter is not None:
-            self.drafter.start(slot, seq, resolved.params, row.rng, row.grammar)
+            self.drafter.start(slot, seq, resolved.params, row.rng, row.grammar, resolved.lookup_texts)
         row.policy.start()
         self.active.append(row)
         return row

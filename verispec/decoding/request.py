@@ -33,7 +33,10 @@ class Request:
     first token, the next newline ends it, kept); `stop_token_ids` end generation like EOS does; `ignore_eos`:
     EOS does not; min_tokens (in params) masks whichever ids end it; `logprobs` n >= 0: each token's logprob and
     the n most likely alternatives under the target's processed distribution (None: not computed);
-    `constraint`: what the output must match (a JSON schema, a regex, a choice, a grammar: verispec.core.grammar)."""
+    `constraint`: what the output must match (a JSON schema, a regex, a choice, a grammar: verispec.core.grammar);
+    `lookup_texts`: token texts besides the prompt that a lookup drafter (suffix) may copy from, as the answer would
+    write them (the prompt's strings escaped inside a JSON answer's strings: verispec.pipeline.text.json_string_texts);
+    they change drafts only, never tokens."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
@@ -46,10 +49,12 @@ class Request:
     ignore_eos: bool = False
     logprobs: int | None = None
     constraint: Constraint | None = None
+    lookup_texts: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("prompt_ids", "stop_token_ids"):
             object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
+        object.__setattr__(self, "lookup_texts", tuple(tuple(int(t) for t in text) for text in self.lookup_texts))
         stop = self.stop
         object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))
 
@@ -75,6 +80,7 @@ class Resolved:
     stop_ids: frozenset[int]
     top_logprobs: int | None
     constraint: Constraint | None = None
+    lookup_texts: tuple[tuple[int, ...], ...] = ()
 
     def new_result(self) -> GenerationResult:
         result = GenerationResult(token_ids=[], finish_reason="length")
@@ -96,6 +102,8 @@ def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: froz
         raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise ValueError(f"a prompt token id is out of range for the vocabulary of {vocab_size}")
+    if any(min(text) < 0 or max(text) >= vocab_size for text in request.lookup_texts if text):
+        raise ValueError(f"a lookup text's token id is out of range for the vocabulary of {vocab_size}")
     if any(token >= vocab_size for token, _ in request.params.logit_bias):
         raise ValueError(f"a logit_bias token id is out of range for the vocabulary of {vocab_size}")
     if request.logprobs is not None and request.logprobs < 0:
@@ -117,7 +125,8 @@ def resolve(request: Request, *, max_length: int, vocab_size: int, eos_ids: froz
         if params.delays_stops:
             raise ValueError("min_tokens cannot be combined with structured output: the grammar says where it ends")
     max_new_tokens = min(request.max_new_tokens, max_length - len(prompt))
-    return Resolved(prompt, params, max_new_tokens, k, stop_ids, request.logprobs, request.constraint)
+    return Resolved(prompt, params, max_new_tokens, k, stop_ids, request.logprobs, request.constraint,
+                    request.lookup_texts)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from verispec.pipeline.completion import Completion
 from verispec.pipeline.fim import Budget, FimLayout, file_pairs, layout_of
 from verispec.pipeline.provenance import Piece
 from verispec.pipeline.slots import Slot, Slots, drain
-from verispec.pipeline.text import encode_messages
+from verispec.pipeline.text import encode_messages, json_string_texts, prompt_strings
 
 # prompt: text, chat messages ({"role", "content"} dicts), token ids, or a [n] / [1, n] tensor of them
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int] | torch.Tensor
@@ -304,8 +304,11 @@ class Pipeline:
             raise ValueError("files are the context of a fill-in-the-middle prompt: give a suffix too")
         ids = self.encode(prompt) if suffix is None else self.encode_infill(prompt, suffix, files)
         constraint = Constraint.of(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
+        texts = ()
+        if constraint is not None and constraint.is_json and not isinstance(prompt, torch.Tensor):
+            texts = json_string_texts(self.tokenizer, prompt_strings(prompt))
         return Request(prompt_ids=ids, params=params, max_new_tokens=max_new, k=k, stop=stop,
-                       constraint=constraint)
+                       constraint=constraint, lookup_texts=texts)
 
     def stream(self, prompt: Prompt | Request, *, streamer=None, **settings: Any) -> TextStream:
         """Generate, yielding text pieces as they are committed (see TextStream; `.pieces()` for provenance):

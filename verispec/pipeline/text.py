@@ -7,10 +7,12 @@ multi-byte characters and never shows text past (or the beginning of a possible)
 from __future__ import annotations
 
 import bisect
+import json
 import re
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete multi-byte character
 INDENT, NEWLINE = "indent", "newline"  # TextAssembler.stopped_by for its line rules (else the stop string)
@@ -31,6 +33,33 @@ def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
         raise ValueError("this model's tokenizer has no chat template: give a plain text prompt")
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def prompt_strings(prompt: str | Iterable[Mapping[str, Any]]) -> list[str]:
+    """The text of a prompt (plain text, or chat messages: each one's string content and text parts)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    out = []
+    for message in prompt:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out += [p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+    return out
+
+
+def json_string_texts(tokenizer, strings: Iterable[str]) -> tuple[tuple[int, ...], ...]:
+    """Each string as an answer in JSON writes it inside a string value (json.dumps's escapes: a newline as \\n, a
+    quote as \\", non-ASCII as it is), tokenised: the lookup texts of a request whose answer is JSON (a schema's
+    strings, a tool call's arguments), where the prompt's own text, code above all, does not match what the answer
+    copies of it. Strings that need no escape are left out (the prompt holds them as they are)."""
+    out = []
+    for text in strings:
+        escaped = json.dumps(text, ensure_ascii=False)[1:-1]
+        if escaped != text:
+            out.append(tuple(tokenizer(escaped, add_special_tokens=False).input_ids))
+    return tuple(out)
 
 
 _BYTE_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its byte-fallback ids

@@ -13,6 +13,7 @@ protocol, and verispec.proposers.lookup gives each slot its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -29,10 +30,11 @@ DraftRow = tuple[int, TokenSequence, int, "int | None"]
 
 class Drafter(Protocol):
     def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
-              grammar: GrammarRow | None = None) -> None:
+              grammar: GrammarRow | None = None, texts: Sequence[Sequence[int]] = ()) -> None:
         """Slot `slot` starts drafting for a new sequence (a cache may keep what it shares with the slot's last).
         `grammar`: a constrained sequence's matcher (verispec.core.grammar), which a drafter may mask its draws by
-        (exactness does not need it: the round masks p and walks every draft)."""
+        (exactness does not need it: the round masks p and walks every draft). `texts`: token texts besides the
+        sequence that a lookup may copy from (the request's lookup_texts); a draft model reads the sequence only."""
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         """The source the slot's next draft would come from ('none': no draft would be offered)."""
@@ -65,8 +67,9 @@ class Drafter(Protocol):
 class Lookup(Protocol):
     """A free drafter of one sequence at a time: it looks its drafts up (no forward, nothing to catch up on)."""
 
-    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator) -> None:
-        """A new generation begins on `seq`."""
+    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
+              texts: Sequence[Sequence[int]] = ()) -> None:
+        """A new generation begins on `seq`; `texts`: other token texts its drafts may copy from."""
 
     def source(self, seq: TokenSequence) -> str:
         """The source the next draft would come from ('none': no draft would be offered)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -249,7 +250,7 @@ class CrossVocabDraft:
     # -- the Drafter protocol ------------------------------------------------------------------------
 
     def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
-              grammar: GrammarRow | None = None) -> None:
+              grammar: GrammarRow | None = None, texts: Sequence[Sequence[int]] = ()) -> None:
         """Keep the draft tokens spelling the text this sequence shares with the slot's last; the rest is encoded
         and fed lazily."""
         s = self._slots[slot]

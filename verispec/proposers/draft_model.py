@@ -6,6 +6,7 @@ own settings and RNG."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -86,7 +87,7 @@ class DraftModel:
         self._grammars: list[GrammarRow | None] = [None] * slots
 
     def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
-              grammar: GrammarRow | None = None) -> None:
+              grammar: GrammarRow | None = None, texts: Sequence[Sequence[int]] = ()) -> None:
         """Keep the cached prefix this sequence shares with the slot's last, unless the sequence is seeded and
         sampled (it prefills the draft anew: a draft's kernels can compute a prompt's tail after a cached prefix a
         few bits apart from the whole prompt, and a seeded sequence's draws must not depend on what ran before it);

@@ -3,6 +3,8 @@ otherwise."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from verispec.core.draft import Draft
@@ -40,8 +42,8 @@ class HybridDrafter:
         return self.model.catch_up(slot, seq, limit) if self.source(slot, seq) == Source.MODEL else 0
 
     def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
-              grammar: GrammarRow | None = None) -> None:
-        self.lookup.start(slot, seq, params, rng)
+              grammar: GrammarRow | None = None, texts: Sequence[Sequence[int]] = ()) -> None:
+        self.lookup.start(slot, seq, params, rng, texts=texts)
         self.model.start(slot, seq, params, rng, grammar)
         self._last[slot] = None
 

@@ -27,8 +27,8 @@ class LookupDrafter:
         self.lookups = list(lookups)
 
     def start(self, slot: int, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
-              grammar: GrammarRow | None = None) -> None:
-        self.lookups[slot].start(seq, params, rng)
+              grammar: GrammarRow | None = None, texts: Sequence[Sequence[int]] = ()) -> None:
+        self.lookups[slot].start(seq, params, rng, texts)
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         return self.lookups[slot].source(seq)

@@ -8,6 +8,8 @@ too. A round may propose fewer than k tokens, or none (no match): the engine the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from verispec.core.draft import Draft
@@ -66,7 +68,9 @@ class NgramProposer:
         self.last_match = 0  # n of the last match (0: none)
         self._index = NgramIndex(max_ngram)
 
-    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator) -> None:
+    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
+              texts: Sequence[Sequence[int]] = ()) -> None:
+        """A new generation; prompt lookup searches the sequence alone (`texts` are not read)."""
         self.last_match = 0
 
     def match(self, seq: TokenSequence) -> tuple[int, int]:

@@ -12,9 +12,10 @@ expanded one node at a time when a second occurrence follows it. Nodes then grow
 the text, not with max_depth x its length (the path compression of a suffix tree, kept to its simplest).
 
 Two tries are searched together, their counts added: one over this generation's sequence (built at
-`start`, extended as tokens are committed), one over a history of past generations' outputs, each kept with
-the max_depth - 1 prompt tokens before it so that a repeated request matches from its first round. The
-history keeps at most `history_tokens` tokens; the oldest outputs are evicted first (their counts removed
+`start`, extended as tokens are committed) and the other texts its request gives to copy from (the prompt's
+strings as a JSON answer escapes them: Request.lookup_texts), one over a history of past generations'
+outputs, each kept with the max_depth - 1 prompt tokens before it so that a repeated request matches from
+its first round. The history keeps at most `history_tokens` tokens; the oldest outputs are evicted first (their counts removed
 exactly), so its size stays bounded.
 
 A draft follows, from the matched node, the child with the highest count (ties: the most recent
@@ -27,7 +28,7 @@ too.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -264,19 +265,26 @@ class SuffixProposer:
 
     # -- this generation's index ---------------------------------------------------------------------
 
-    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator) -> None:
-        """Record the previous generation's output, then index `seq` (reusing the index when seq extends
-        the sequence it was built on, as the next turn of a chat does: that output is then counted in both
-        tries, which only weighs it more in the ranking of continuations)."""
+    def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
+              texts: Sequence[Sequence[int]] = ()) -> None:
+        """Record the previous generation's output, then index `seq` and `texts` (other token texts this generation
+        may copy from, counted in its trie beside seq), reusing the index when seq extends the sequence it was built
+        on with the same texts, as the next turn of a chat does: that output is then counted in both tries, which
+        only weighs it more in the ranking of continuations."""
         self.end()
-        text = self._text
-        reuse = len(seq) >= len(text.ids) and seq.ids[: len(text.ids)] == text.ids
+        text, texts = self._text, [list(t) for t in texts if len(t) > 1]
+        reuse = texts == self._texts and len(seq) >= len(text.ids) and seq.ids[: len(text.ids)] == text.ids
+        self._texts = texts
         self._index(seq, reuse)
 
     def _index(self, seq: TokenSequence, reuse: bool = False) -> None:
-        """Point this generation's index at seq: extend the current one (reuse) or build a new one."""
+        """Point this generation's index at seq: extend the current one (reuse) or build a new one over the texts,
+        then seq (made last, so that a tie between continuations goes to seq's own)."""
         if not reuse:
-            self._trie, self._text = SuffixTrie(self.max_depth), self.history.new_text([])
+            self._trie = SuffixTrie(self.max_depth)
+            for ids in self._texts:
+                self._trie.add(self.history.new_text(ids))
+            self._text = self.history.new_text([])
             self._active = [self._trie.root]
         self._seq = seq
         self._find_history(seq)
@@ -379,6 +387,7 @@ class SuffixProposer:
         self.last_match = 0
         self._seq = None
         self._trie = SuffixTrie(self.max_depth)
+        self._texts: list[list[int]] = []  # the other texts this generation's trie counts
         self._text = self.history.new_text([])
         self._active: list[_Node] = [self._trie.root]
         self._history_at: list[Cursor] = [self.history.trie.root]

@@ -11,7 +11,7 @@ from verispec.apps.server.protocol import APIError, ChatCompletionRequest, Compl
 from verispec.core.sampling import SamplingParams
 from verispec.decoding.request import Request
 from verispec.pipeline.fim import layout_of
-from verispec.pipeline.text import encode_messages
+from verispec.pipeline.text import encode_messages, json_string_texts
 from verispec.pipeline.tools import ToolFormat, history_message
 
 if TYPE_CHECKING:
@@ -132,8 +132,18 @@ def generation_request(req: SamplingFields, prompt_ids: list[int], state: Server
         constraint = ToolFormat.of(pipeline.tokenizer).constraint(
             req.called_tools(), parallel=req.parallel_tool_calls and req.tool_mode() == "required")
     return Request(prompt_ids=prompt_ids, params=sampling_params(req, state), max_new_tokens=max_tokens,
-                   k=k, stop=req.stop_list(), stop_token_ids=stop_ids,
-                   ignore_eos=req.ignore_eos, logprobs=logprobs, constraint=constraint)
+                   k=k, stop=req.stop_list(), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+                   logprobs=logprobs, constraint=constraint, lookup_texts=_lookup_texts(req, constraint, pipeline))
+
+
+def _lookup_texts(req: SamplingFields, constraint, pipeline) -> tuple[tuple[int, ...], ...]:
+    """The prompt's strings as a JSON answer writes them, where the answer is JSON: under a JSON schema, or a chat
+    that offers tools (a call's arguments are JSON, required or not)."""
+    tools = isinstance(req, ChatCompletionRequest) and req.tool_mode() != "none"
+    if not tools and (constraint is None or not constraint.is_json):
+        return ()
+    strings = [m.text() for m in req.messages] if isinstance(req, ChatCompletionRequest) else [req.prompt]
+    return json_string_texts(pipeline.tokenizer, strings)
 
 
 def check_request(state: ServerState, request: Request, req: SamplingFields) -> None:
