@@ -188,6 +188,35 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
     "required": ["city", "unit"], "additionalProperties": False}}}]
 
 
+WRITE = [{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+    "required": ["path", "content"], "additionalProperties": False}}}]
+CODE = 'def greet(name):\n    """Say hello to "name"."""\n    return "Hello, " + name + "!"\n'
+
+
+def test_a_tool_call_copying_code_drafts_from_the_prompt_json_escaped(pipes, greedy):
+    """On the real target: a required write_file call whose content copies the prompt's code, with the code
+    JSON-escaped as lookup texts and without, each from an empty suffix history: both answers are plain decoding's
+    token for token, and the escaped code gets more drafts accepted."""
+    from verispec.pipeline.text import encode_messages, json_string_texts, prompt_strings
+    from verispec.pipeline.tools import ToolFormat
+
+    pipe = pipes["suffix"]
+    messages = [{"role": "user", "content": f"Call write_file with path greet.py and this code as its content.\n\n{CODE}"}]
+    call = Request(prompt_ids=encode_messages(pipe.tokenizer, messages, WRITE), max_new_tokens=64,
+                   constraint=ToolFormat.of(pipe.tokenizer).constraint(WRITE, parallel=False),
+                   lookup_texts=json_string_texts(pipe.tokenizer, prompt_strings(messages)))
+    plain = greedy("copy", pipe, replace(call, k=0)).token_ids
+    answers = {}
+    for texts in ((), call.lookup_texts):
+        for lookup in pipe.engine.drafter.lookups:
+            lookup.history.clear()  # nothing to copy from an earlier answer
+        answers[texts] = pipe.generate(replace(call, lookup_texts=texts))
+        assert answers[texts].token_ids == plain
+    assert '\\n    return \\"Hello, \\" + name' in pipe.tokenizer.decode(plain)  # the call copied the code, escaped
+    assert answers[call.lookup_texts].stats.accepted > answers[()].stats.accepted
+
+
 @pytest.mark.parametrize("drafter", ["suffix", "model"])
 def test_structured_output_equals_plain_decoding_under_the_grammar(pipes, greedy, drafter):
     """On the real default pair: a JSON schema's greedy answer and a required tool call are valid and token for token
