@@ -17,7 +17,7 @@ from verispec.core.sequence import TokenSequence
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.policies.cost_aware import CostAwareK
 from verispec.proposers.lookup import LookupDrafter
-from verispec.proposers.suffix import SuffixProposer, SuffixTrie, _Text
+from verispec.proposers.suffix import SuffixHistory, SuffixProposer, SuffixTrie, _Text
 
 ALPHA = 1e-4
 REPETITIVE = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
@@ -360,9 +360,11 @@ PROMPT = [3, 1, 2, 3, 1]
 
 
 def _histograms(target, params, n, steps):
-    """Token counts per position over n generations with one proposer: later ones draft from earlier
-    ones' outputs too."""
-    eng = engine(target, SuffixProposer(min_prob=0.0), k=2)
+    """Token counts per position over n generations, eight at a time, their lookups sharing one history: later
+    ones draft from earlier ones' outputs too."""
+    history = SuffixHistory()
+    lookups = [SuffixProposer(min_prob=0.0, history=history) for _ in range(8)]
+    eng = make_engine(target, drafter=LookupDrafter(lookups), k=2, slots=8)
     counts, drafted, _ = generation_histograms(eng, PROMPT, params, n, steps, target.config.vocab_size)
     return counts, drafted
 
