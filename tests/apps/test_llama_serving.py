@@ -191,7 +191,7 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
 WRITE = [{"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
     "required": ["path", "content"], "additionalProperties": False}}}]
-CODE = 'def greet(name):\n    """Say hello to "name"."""\n    return "Hello, " + name + "!"\n'
+GREET = 'def greet(name):\n    """Say hello to "name"."""\n    return "Hello, " + name + "!"\n'
 
 
 def test_a_tool_call_copying_code_drafts_from_the_prompt_json_escaped(pipes, greedy):
@@ -202,7 +202,8 @@ def test_a_tool_call_copying_code_drafts_from_the_prompt_json_escaped(pipes, gre
     from verispec.pipeline.tools import ToolFormat
 
     pipe = pipes["suffix"]
-    messages = [{"role": "user", "content": f"Call write_file with path greet.py and this code as its content.\n\n{CODE}"}]
+    task = "Call write_file with path greet.py and this code as its content."
+    messages = [{"role": "user", "content": f"{task}\n\n{GREET}"}]
     call = Request(prompt_ids=encode_messages(pipe.tokenizer, messages, WRITE), max_new_tokens=64,
                    constraint=ToolFormat.of(pipe.tokenizer).constraint(WRITE, parallel=False),
                    lookup_texts=json_string_texts(pipe.tokenizer, prompt_strings(messages)))
