@@ -1,6 +1,7 @@
 """From an OpenAI request to what the library runs: the prompt's token ids (the chat template or the tokenizer)
-and one verispec Request. Each refusal is an APIError (a 4xx) naming the field at fault. The prompt functions
-run on the tokenizing thread; `generation_request` on the event loop.
+and one verispec Request. Each refusal is an APIError (a 4xx) naming the field at fault. The prompt functions and
+`lookup_texts` run on the tokenizing thread (the tokenizer is used from that thread alone); `generation_request` on
+the event loop.
 """
 
 from __future__ import annotations
@@ -102,10 +103,26 @@ def check_vocabulary(params: SamplingParams, state: ServerState, param: str) -> 
         raise APIError(400, "the infill sampler needs the model's token texts (a fast tokenizer)", param)
 
 
-def generation_request(req: SamplingFields, prompt_ids: list[int], state: ServerState) -> Request:
-    """The library's Request for an OpenAI request whose prompt is `prompt_ids`, after the checks only the
-    server can make: the model's name, the length against the context, the drafter, the stop ids against the
-    vocabulary, no logprobs while streaming. k: none for drafter "none", else the request's or the server's."""
+def lookup_texts(tokenizer, req: SamplingFields) -> tuple[tuple[int, ...], ...]:
+    """The prompt's strings as a JSON answer writes them (Request.lookup_texts), where the answer is JSON: under a
+    JSON response_format, or in a chat that offers tools (a call's arguments are JSON, required or not)."""
+    tools = isinstance(req, ChatCompletionRequest) and req.tool_mode() != "none"
+    try:
+        constraint = req.constraint()[0]
+    except ValueError:  # generation_request refuses it
+        return ()
+    if not tools and (constraint is None or not constraint.is_json):
+        return ()
+    strings = [m.text() for m in req.messages] if isinstance(req, ChatCompletionRequest) else [req.prompt]
+    return json_string_texts(tokenizer, strings)
+
+
+def generation_request(req: SamplingFields, prompt_ids: list[int], state: ServerState,
+                       texts: tuple[tuple[int, ...], ...] = ()) -> Request:
+    """The library's Request for an OpenAI request whose prompt is `prompt_ids` (and lookup texts `texts`), after
+    the checks only the server can make: the model's name, the length against the context, the drafter, the stop
+    ids against the vocabulary, no logprobs while streaming. k: none for drafter "none", else the request's or the
+    server's."""
     settings, pipeline = state.settings, state.pipeline
     if req.model not in settings.model_names:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
@@ -133,17 +150,7 @@ def generation_request(req: SamplingFields, prompt_ids: list[int], state: Server
             req.called_tools(), parallel=req.parallel_tool_calls and req.tool_mode() == "required")
     return Request(prompt_ids=prompt_ids, params=sampling_params(req, state), max_new_tokens=max_tokens,
                    k=k, stop=req.stop_list(), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-                   logprobs=logprobs, constraint=constraint, lookup_texts=_lookup_texts(req, constraint, pipeline))
-
-
-def _lookup_texts(req: SamplingFields, constraint, pipeline) -> tuple[tuple[int, ...], ...]:
-    """The prompt's strings as a JSON answer writes them, where the answer is JSON: under a JSON schema, or a chat
-    that offers tools (a call's arguments are JSON, required or not)."""
-    tools = isinstance(req, ChatCompletionRequest) and req.tool_mode() != "none"
-    if not tools and (constraint is None or not constraint.is_json):
-        return ()
-    strings = [m.text() for m in req.messages] if isinstance(req, ChatCompletionRequest) else [req.prompt]
-    return json_string_texts(pipeline.tokenizer, strings)
+                   logprobs=logprobs, constraint=constraint, lookup_texts=texts)
 
 
 def check_request(state: ServerState, request: Request, req: SamplingFields) -> None:

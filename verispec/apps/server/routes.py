@@ -19,7 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.apps.server import responses
-from verispec.apps.server.generation import chat_prompt, check_request, completion_prompt, generation_request
+from verispec.apps.server.generation import (
+    chat_prompt,
+    check_request,
+    completion_prompt,
+    generation_request,
+    lookup_texts,
+)
 from verispec.apps.server.infill import InfillAnswer, InfillRequest, infill_prompt, infill_request
 from verispec.apps.server.infill import unsupported_field as infill_unsupported
 from verispec.apps.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
@@ -203,7 +209,8 @@ async def _complete(request: Request, model_cls, encode, chat: bool):
     state = server_state(request)
     req = parse_body(await request.body(), model_cls)
     prompt_ids = await tokenize(state, encode, state.pipeline.tokenizer, req)
-    job = Job(generation_request(req, prompt_ids, state), asyncio.get_running_loop())
+    texts = await tokenize(state, lookup_texts, state.pipeline.tokenizer, req)
+    job = Job(generation_request(req, prompt_ids, state, texts), asyncio.get_running_loop())
     if job.request.constraint is not None:  # compiled on the tokenizing thread: a 400 for a bad one
         await tokenize(state, check_request, state, job.request, req)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
