@@ -152,14 +152,14 @@ def test_empty_history_and_match_without_continuation():
 
 
 def test_lookup_texts_are_counted_beside_the_sequence():
-    """A request's other texts are counted in the generation's trie with the sequence (every context's counts as a
-    brute-force count over both): a match found only there drafts its continuation; a tie goes to the sequence."""
+    """A request's other texts are counted in a trie of their own (every context's counts as a brute-force count),
+    searched with the sequence's: a match found only there drafts its continuation; a tie goes to the sequence."""
     seq, texts = seq_of([9, 3, 4]), [[1, 3, 4, 7, 8, 2], [5, 4, 6]]
     assert started(SuffixProposer(), seq).source(seq) == "none"  # nothing in the sequence alone
     p = SuffixProposer(spec_factor=4.0, history_tokens=0)
     p.start(seq, SamplingParams(), torch.Generator(), texts)
     for context in ([], [3], [3, 4], [4], [9, 3]):
-        assert p._trie.continuations(context) == _brute_continuations([seq.ids] + texts, context, p.max_depth)
+        assert p._texts_trie.continuations(context) == _brute_continuations(texts, context, p.max_depth)
     assert p.propose(seq, 3).tokens.tolist() == [7, 8, 2]  # [3, 4] matched in the first text
     grow(seq, [6, 9, 3])  # the sequence now holds [9, 3] -> 4, as does nothing else: its own continuation
     assert p.propose(seq, 1).tokens.tolist() == [4]
@@ -168,19 +168,21 @@ def test_lookup_texts_are_counted_beside_the_sequence():
     assert p.propose(tie, 1).tokens.tolist() == [5]
 
 
-def test_other_texts_rebuild_the_index():
-    """A next turn reuses the index only with the same texts: new ones are indexed afresh, and the last request's
-    texts are forgotten."""
+def test_texts_extended_by_the_next_turn_are_counted_incrementally():
+    """An agent's next turn: the sequence's index is reused whatever its texts; texts that begin with the last turn's
+    add only the new ones to their trie; others replace them; none forget them. Drafts see the texts added."""
     p = SuffixProposer(history_tokens=0)
-    first = seq_of([1, 2, 3])
-    p.start(first, SamplingParams(), torch.Generator(), [[3, 7, 8]])
-    trie = p._trie
-    p.start(seq_of([1, 2, 3, 5, 3]), SamplingParams(), torch.Generator(), [[3, 7, 8]])
-    assert p._trie is trie and p._trie.continuations([3]) == {7: 1, 5: 1}
+    p.start(seq_of([1, 2, 3]), SamplingParams(), torch.Generator(), [[3, 7, 8]])
+    trie, texts_trie = p._trie, p._texts_trie
+    seq = seq_of([1, 2, 3, 5, 3])
+    p.start(seq, SamplingParams(), torch.Generator(), [[3, 7, 8], [5, 3, 6]])
+    assert p._trie is trie and p._texts_trie is texts_trie  # both kept: the new text added, the first not again
+    assert p._texts_trie.continuations([3]) == {7: 1, 6: 1} and p._trie.continuations([3]) == {5: 1}
+    assert p.propose(seq, 1).tokens.tolist() == [6]  # [5, 3] -> 6 in the new text (longest match)
     p.start(seq_of([1, 2, 3, 5, 3]), SamplingParams(), torch.Generator(), [[3, 9]])
-    assert p._trie is not trie and p._trie.continuations([3]) == {9: 1, 5: 1}
+    assert p._texts_trie is not texts_trie and p._texts_trie.continuations([3]) == {9: 1}
     p.start(seq_of([1, 2, 3, 5, 3]), SamplingParams(), torch.Generator())
-    assert p._trie.continuations([3]) == {5: 1}
+    assert p._texts_trie.continuations([3]) == {}
 
 
 def test_invalid_parameters():

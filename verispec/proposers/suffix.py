@@ -11,9 +11,9 @@ by node: its last shared node has one lazy child that points into the text the o
 expanded one node at a time when a second occurrence follows it. Nodes then grow with the repeated part of
 the text, not with max_depth x its length (the path compression of a suffix tree, kept to its simplest).
 
-Two tries are searched together, their counts added: one over this generation's sequence (built at
-`start`, extended as tokens are committed) and the other texts its request gives to copy from (the prompt's
-strings as a JSON answer escapes them: Request.lookup_texts), one over a history of past generations'
+Three tries are searched together, their counts added: one over this generation's sequence (built at
+`start`, extended as tokens are committed), one over the other texts its request gives to copy from (the
+prompt's strings as a JSON answer escapes them: Request.lookup_texts), one over a history of past generations'
 outputs, each kept with the max_depth - 1 prompt tokens before it so that a repeated request matches from
 its first round. The history keeps at most `history_tokens` tokens; the oldest outputs are evicted first (their counts removed
 exactly), so its size stays bounded.
@@ -267,39 +267,50 @@ class SuffixProposer:
 
     def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
               texts: Sequence[Sequence[int]] = ()) -> None:
-        """Record the previous generation's output, then index `seq` and `texts` (other token texts this generation
-        may copy from, counted in its trie beside seq), reusing the index when seq extends the sequence it was built
-        on with the same texts, as the next turn of a chat does: that output is then counted in both tries, which
-        only weighs it more in the ranking of continuations."""
+        """Record the previous generation's output, count `texts` (see _set_texts), then index `seq`, reusing the
+        index when seq extends the sequence it was built on, as the next turn of a chat does: that output is then
+        counted in both tries, which only weighs it more in the ranking of continuations."""
         self.end()
-        text, texts = self._text, [list(t) for t in texts if len(t) > 1]
-        reuse = texts == self._texts and len(seq) >= len(text.ids) and seq.ids[: len(text.ids)] == text.ids
+        self._set_texts([list(t) for t in texts if len(t) > 1])
+        text = self._text
+        self._index(seq, len(seq) >= len(text.ids) and seq.ids[: len(text.ids)] == text.ids)
+
+    def _set_texts(self, texts: list[list[int]]) -> None:
+        """Count this generation's other texts in a trie of their own: only those past the last generation's when
+        these begin with them (an agent's next turn adds a message), else anew. Stamped oldest, so that a tie between
+        continuations goes to the sequence's or the history's."""
+        if texts[: len(self._texts)] != self._texts:
+            self._texts, self._texts_trie = [], SuffixTrie(self.max_depth)
+        for ids in texts[len(self._texts) :]:
+            self._texts_trie.add(_Text(ids, 0))
         self._texts = texts
-        self._index(seq, reuse)
 
     def _index(self, seq: TokenSequence, reuse: bool = False) -> None:
-        """Point this generation's index at seq: extend the current one (reuse) or build a new one over the texts,
-        then seq (made last, so that a tie between continuations goes to seq's own)."""
+        """Point this generation's index at seq: extend the current one (reuse) or build a new one."""
         if not reuse:
-            self._trie = SuffixTrie(self.max_depth)
-            for ids in self._texts:
-                self._trie.add(self.history.new_text(ids))
-            self._text = self.history.new_text([])
+            self._trie, self._text = SuffixTrie(self.max_depth), self.history.new_text([])
             self._active = [self._trie.root]
         self._seq = seq
         self._find_history(seq)
         self._sync(seq)
 
     def _find_history(self, seq: TokenSequence) -> None:
-        """The history's cursors for the suffixes of seq, by length (up to max_depth - 1)."""
-        self._history_at = [self.history.trie.root]
-        for tok in seq.ids[-(self.max_depth - 1) :]:
-            self._history_at = self._follow_history(tok)
+        """The cursors of the suffixes of seq, by length (up to max_depth - 1), in the history's and the texts'
+        tries."""
+        self._history_at = self._cursors(self.history.trie, seq.ids)
+        self._texts_at = self._cursors(self._texts_trie, seq.ids)
         self._history_len, self._history_version = len(seq), self.history.version
 
-    def _follow_history(self, token: int) -> list[Cursor]:
-        out = [self.history.trie.root]
-        for cursor in self._history_at[: self.max_depth - 1]:
+    def _cursors(self, trie: SuffixTrie, ids: list[int]) -> list[Cursor]:
+        at = [trie.root]
+        for tok in ids[-(self.max_depth - 1) :]:
+            at = self._advance(trie, at, tok)
+        return at
+
+    def _advance(self, trie: SuffixTrie, at: list[Cursor], token: int) -> list[Cursor]:
+        """The cursors after `token`, from those of the suffixes before it."""
+        out = [trie.root]
+        for cursor in at[: self.max_depth - 1]:
             nxt = _follow(cursor, token)
             if nxt is None:
                 break
@@ -320,18 +331,19 @@ class SuffixProposer:
             self._find_history(seq)
             return
         for tok in ids[self._history_len :]:
-            self._history_at = self._follow_history(tok)
+            self._history_at = self._advance(self.history.trie, self._history_at, tok)
+            self._texts_at = self._advance(self._texts_trie, self._texts_at, tok)
         self._history_len = len(ids)
 
     # -- drafting ----------------------------------------------------------------------------------
 
     def _match(self, seq: TokenSequence, longest: int) -> tuple[int, list[Cursor]]:
         """(m, cursors): the longest suffix of seq, of at most `longest` tokens, that occurred before with a
-        continuation, and its cursors in both tries; (0, []) when none did."""
+        continuation, and its cursors in the three tries; (0, []) when none did."""
         self._sync(seq)
-        mine, past = self._active, self._history_at
-        for m in range(min(max(len(mine), len(past)) - 1, longest), 0, -1):
-            cursors = [c[m] for c in (mine, past) if m < len(c)]
+        tries = (self._active, self._history_at, self._texts_at)
+        for m in range(min(max(map(len, tries)) - 1, longest), 0, -1):
+            cursors = [c[m] for c in tries if m < len(c)]
             if any(_steps(c) for c in cursors):
                 return m, cursors
         return 0, []
@@ -387,8 +399,10 @@ class SuffixProposer:
         self.last_match = 0
         self._seq = None
         self._trie = SuffixTrie(self.max_depth)
-        self._texts: list[list[int]] = []  # the other texts this generation's trie counts
+        self._texts: list[list[int]] = []  # the other texts _texts_trie counts
+        self._texts_trie = SuffixTrie(self.max_depth)
         self._text = self.history.new_text([])
         self._active: list[_Node] = [self._trie.root]
         self._history_at: list[Cursor] = [self.history.trie.root]
+        self._texts_at: list[Cursor] = [self._texts_trie.root]
         self._history_len, self._history_version = 0, self.history.version
