@@ -6,9 +6,9 @@
 #   verispec   verispec serve (EXTRA_SERVE adds flags)
 # SERVERS picks some (default: all three), each on a fresh server. The requests are bench/structured_output.py's (N,
 # default 30: extraction and planning under a JSON schema, tool calls with tool_choice required; KINDS picks some of
-# extract,plan,tool; MAX_NEW tokens, default 256). Prints each server's tok/s (end to end), answers valid and answers equal to llama-server plain's,
-# and the ratios of verispec's tok/s; the records land in out/structured_vs_llama_server/. KERNELS as
-# bench/llama_server.sh.
+# extract,plan,tool; MAX_NEW tokens, default 256). Prints each server's tok/s (end to end), answers valid and answers
+# equal to llama-server plain's, and the ratios of verispec's tok/s; the records land in
+# out/structured_vs_llama_server/. KERNELS as bench/llama_server.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python}"

@@ -73,6 +73,9 @@ def test_a_json_answer_copies_the_prompt_json_escaped(pipe, plain, models):
     assert request.lookup_texts == json_string_texts(tok, [messages[0]["content"]]) != ()
     assert pipe.request(messages, max_new_tokens=12).lookup_texts == ()
     assert pipe.request(messages, regex="[a-z]+", max_new_tokens=12).lookup_texts == ()
+    ids = encode_messages(tok, messages)
+    for prompt in (ids, torch.tensor([ids])):  # token ids hold no strings to escape
+        assert pipe.request(prompt, json_schema={"type": "object"}, max_new_tokens=12).lookup_texts == ()
     answer = pipe.generate(request)
     assert answer.token_ids == plain.generate(messages, json_schema={"type": "object"}, max_new_tokens=12).token_ids
 

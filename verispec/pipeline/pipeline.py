@@ -304,9 +304,8 @@ class Pipeline:
             raise ValueError("files are the context of a fill-in-the-middle prompt: give a suffix too")
         ids = self.encode(prompt) if suffix is None else self.encode_infill(prompt, suffix, files)
         constraint = Constraint.of(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
-        texts = ()
-        if constraint is not None and constraint.is_json and not isinstance(prompt, torch.Tensor):
-            texts = json_string_texts(self.tokenizer, prompt_strings(prompt))
+        json_answer = constraint is not None and constraint.is_json  # token ids hold no strings: none then
+        texts = json_string_texts(self.tokenizer, prompt_strings(prompt)) if json_answer else ()
         return Request(prompt_ids=ids, params=params, max_new_tokens=max_new, k=k, stop=stop,
                        constraint=constraint, lookup_texts=texts)
 

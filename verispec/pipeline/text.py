@@ -35,8 +35,9 @@ def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def prompt_strings(prompt: str | Iterable[Mapping[str, Any]]) -> list[str]:
-    """The text of a prompt (plain text, or chat messages: each one's string content and text parts)."""
+def prompt_strings(prompt: str | Iterable[Any]) -> list[str]:
+    """The text of a prompt (plain text, or chat messages: each one's string content and text parts; token ids
+    give none)."""
     if isinstance(prompt, str):
         return [prompt]
     out = []

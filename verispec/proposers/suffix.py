@@ -15,8 +15,8 @@ Three tries are searched together, their counts added: one over this generation'
 `start`, extended as tokens are committed), one over the other texts its request gives to copy from (the
 prompt's strings as a JSON answer escapes them: Request.lookup_texts), one over a history of past generations'
 outputs, each kept with the max_depth - 1 prompt tokens before it so that a repeated request matches from
-its first round. The history keeps at most `history_tokens` tokens; the oldest outputs are evicted first (their counts removed
-exactly), so its size stays bounded.
+its first round. The history keeps at most `history_tokens` tokens; the oldest outputs are evicted first
+(their counts removed exactly), so its size stays bounded.
 
 A draft follows, from the matched node, the child with the highest count (ties: the most recent
 occurrence) while the estimated probability of the whole draft (the product of each chosen child's share of
@@ -332,7 +332,8 @@ class SuffixProposer:
             return
         for tok in ids[self._history_len :]:
             self._history_at = self._advance(self.history.trie, self._history_at, tok)
-            self._texts_at = self._advance(self._texts_trie, self._texts_at, tok)
+            if self._texts:  # most requests have none: their cursors stay at the empty trie's root
+                self._texts_at = self._advance(self._texts_trie, self._texts_at, tok)
         self._history_len = len(ids)
 
     # -- drafting ----------------------------------------------------------------------------------
