@@ -170,6 +170,47 @@ def test_hybrid_takes_the_model_where_the_lookup_has_no_match():
     assert hybrid.source(0, seq) == "model" and hybrid.pending(0, seq) == 7
 
 
+def test_hybrid_drafts_short_matches_while_the_model_lags_far_behind():
+    """A short match drafts where the draft model would first have to catch up on more than LAG_MAX tokens (a
+    long prompt it has not read, a long run of confident lookups), the model where it lags less; a confident
+    match drafts either way, and so does the model where there is no match."""
+    import torch
+
+    from verispec.core.sampling import SamplingParams
+    from verispec.core.sequence import TokenSequence
+    from verispec.proposers import HybridDrafter, LookupDrafter, NgramProposer
+    from verispec.proposers.hybrid import LAG_MAX
+
+    class Lagging:
+        model = type("OneSlot", (), {"slots": 1})()
+        lag = 0
+
+        def start(self, *args):
+            pass
+
+        def pending(self, slot, seq):
+            return self.lag
+
+        def propose(self, rows):  # no row is the model's in these rounds
+            assert rows == []
+            return []
+
+    model = Lagging()
+    hybrid = HybridDrafter(LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1, min_confident=3)]), model)
+    seq = TokenSequence([1, 2, 3, 9, 1], 16, torch.device("cpu"))  # [1] occurred before: a short match
+    hybrid.start(0, seq, SamplingParams(), torch.Generator())
+    for lag, source in ((LAG_MAX, "model"), (LAG_MAX + 1, "ngram-short")):
+        model.lag = lag
+        assert hybrid.source(0, seq) == source
+    assert hybrid.pending(0, seq) == 0 and hybrid.propose([(0, seq, 3, None)])[0].tokens.tolist() == [2, 3, 9]
+    seq.extend([2, 3], torch.tensor([2, 3]))  # [1, 2, 3] occurred before: confident at any lag
+    model.lag = 0
+    assert hybrid.source(0, seq) == "ngram"
+    seq.extend([7], torch.tensor([7]))  # no match: the model at any lag
+    model.lag = LAG_MAX + 1
+    assert hybrid.source(0, seq) == "model"
+
+
 def test_hybrid_falls_back_to_a_caught_up_model():
     """A confident lookup (its source) that drafts nothing hands the row to the draft model, which the engine did not
     catch up for it: the hybrid catches it up first, so the model's first draft step feeds one or two tokens, as

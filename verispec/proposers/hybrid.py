@@ -18,11 +18,18 @@ from verispec.proposers.draft_model import DraftModel
 from verispec.proposers.lookup import LookupDrafter
 
 CONFIDENT = frozenset({Source.NGRAM, Source.SUFFIX})  # the lookup drafters' sources for a long (confident) match
+SHORT = frozenset({Source.NGRAM_SHORT, Source.SUFFIX_SHORT})  # their sources for a shorter match
+# Where the draft model lags behind the sequence by more than this many tokens (a long prompt it has not read, or a
+# long stretch of confident lookup drafts), a short lookup match drafts instead: catching the model up is a pass
+# over every token it skipped, which text that keeps copying its context (edits, summaries, long prompts of code)
+# does not pay back in the few rounds the model would draft there.
+LAG_MAX = 128
 
 
 class HybridDrafter:
     """Per slot, the lookup drafter when it has a confident match (its long kind: a suffix of at least its
-    `min_confident` tokens), the draft model otherwise; a round's model rows draft together. Sources: the lookup's
+    `min_confident` tokens) or a short one while the draft model lags more than LAG_MAX tokens behind, the draft
+    model otherwise; a round's model rows draft together. Sources: the lookup's
     ('ngram' or 'suffix') and 'model', so that a k policy can switch the draft model off while free lookup drafts
     keep going. The draft model catches up on the tokens it skipped the next time it drafts."""
 
@@ -33,7 +40,9 @@ class HybridDrafter:
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         source = self.lookup.source(slot, seq)
-        return source if source in CONFIDENT else Source.MODEL
+        if source in CONFIDENT or (source in SHORT and self.model.pending(slot, seq) > LAG_MAX):
+            return source
+        return Source.MODEL
 
     def pending(self, slot: int, seq: TokenSequence) -> int:
         return self.model.pending(slot, seq) if self.source(slot, seq) == Source.MODEL else 0
