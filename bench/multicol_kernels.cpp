@@ -1,14 +1,15 @@
 // verispec's multi-column kernels alone, on random blocks: time per call and GMAC/s a core at each width, and a
-// candidate kernel file checked bitwise against the patched one and timed beside it. Built and run by
-// bench/multicol_kernels.sh (one thread).
+// candidate kernel file checked bitwise against the patched one and timed beside it; a table, then one JSON line.
+// Built and run by bench/multicol_kernels.sh (one thread).
 //
-//   multicol_kernels K ROWS WIDTHS REPEATS     e.g. 1536 1024 1,9,16,36 5 (ROWS a multiple of 8)
+//   multicol_kernels WIDTHS REPEATS K:ROWS...     e.g. 1,9,16,36 5 1536:1024 8960:256 (ROWS a multiple of 8)
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "ggml-common.h"
@@ -62,19 +63,8 @@ template <class F> static double best_of(int repeats, F f) {
     return best;
 }
 
-int main(int argc, char ** argv) {
-    if (argc != 5) {
-        fprintf(stderr, "usage: %s K ROWS WIDTHS REPEATS\n", argv[0]);
-        return 2;
-    }
-    for (int i = 0; i < (1 << 16); i++) ggml_table_f32_f16[i] = half_to_float((uint16_t) i);
-    const int K = atoi(argv[1]), R = atoi(argv[2]), repeats = atoi(argv[4]);
-    if (K % QK_K || R % 8 || R <= 0 || repeats <= 0) {
-        fprintf(stderr, "K must be a multiple of %d, ROWS of 8\n", QK_K);
-        return 2;
-    }
-    std::vector<int> widths;
-    for (char * t = strtok(argv[3], ","); t; t = strtok(nullptr, ",")) widths.push_back(atoi(t));
+// One shape: every width, both types; a table row and a JSON object each.
+static void measure(int K, int R, const std::vector<int> & widths, int repeats, std::string & json) {
     int max_w = 0;
     for (int w : widths) max_w = w > max_w ? w : max_w;
     const int nb = K / QK_K;
@@ -91,17 +81,22 @@ int main(int argc, char ** argv) {
     }
     std::vector<block_q6_K> x6((size_t) nb * R);
     for (auto & b : x6) {
-        fill(rng, b.ql, sizeof b.ql), fill(rng, b.qh, sizeof b.qh), fill(rng, b.scales, sizeof b.scales);
+        fill(rng, b.ql, sizeof b.ql);
+        fill(rng, b.qh, sizeof b.qh);
+        fill(rng, b.scales, sizeof b.scales);
         b.d = small_half(rng);
     }
     std::vector<block_q4_Kx8> x4((size_t) nb * R / 8);
     for (auto & b : x4) {
-        fill(rng, b.qs, sizeof b.qs), fill(rng, b.scales, sizeof b.scales);
-        for (int i = 0; i < 8; i++) b.d[i] = small_half(rng), b.dmin[i] = small_half(rng);
+        fill(rng, b.qs, sizeof b.qs);
+        fill(rng, b.scales, sizeof b.scales);
+        for (int i = 0; i < 8; i++) {
+            b.d[i] = small_half(rng);
+            b.dmin[i] = small_half(rng);
+        }
     }
     std::vector<float> a((size_t) R * max_w), b((size_t) R * max_w);
     const size_t ys = sizeof(block_q8_K) * nb, x6s = sizeof(block_q6_K) * nb;
-    printf("type  K     rows  width  patched ms  GMAC/s  candidate ms  GMAC/s  candidate/patched  bits\n");
     for (int w : widths) {
         for (int q6 = 0; q6 < 2; q6++) {
             auto run = [&](bool patched, float * dst) {
@@ -113,14 +108,44 @@ int main(int argc, char ** argv) {
             const bool same = !memcmp(a.data(), b.data(), sizeof(float) * (size_t) R * w);
             double t_ref = 1e30, t_new = 1e30;
             for (int r = 0; r < repeats; r++) {  // the two take turns
-                const double tr = best_of(1, [&] { run(true, a.data()); }), tn = best_of(1, [&] { run(false, b.data()); });
-                t_ref = tr < t_ref ? tr : t_ref, t_new = tn < t_new ? tn : t_new;
+                const double tr = best_of(1, [&] { run(true, a.data()); });
+                const double tn = best_of(1, [&] { run(false, b.data()); });
+                t_ref = tr < t_ref ? tr : t_ref;
+                t_new = tn < t_new ? tn : t_new;
             }
             const double macs = (double) K * R * w;
-            printf("%-5s %-5d %-5d %-6d %10.3f  %6.0f  %12.3f  %6.0f  %17.3f  %s\n", q6 ? "Q6_K" : "Q4_K", K, R, w,
-                   t_ref * 1e3, macs / t_ref / 1e9, t_new * 1e3, macs / t_new / 1e9, t_new / t_ref,
-                   same ? "identical" : "DIFFER");
+            const char * type = q6 ? "Q6_K" : "Q4_K";
+            printf("%-5s %-5d %-5d %-6d %10.3f  %6.0f  %12.3f  %6.0f  %17.3f  %s\n", type, K, R, w, t_ref * 1e3,
+                   macs / t_ref / 1e9, t_new * 1e3, macs / t_new / 1e9, t_new / t_ref, same ? "identical" : "DIFFER");
+            char row[256];
+            snprintf(row, sizeof row,
+                     "%s{\"type\": \"%s\", \"k\": %d, \"rows\": %d, \"width\": %d, \"patched_ms\": %.4f, "
+                     "\"candidate_ms\": %.4f, \"identical\": %s}",
+                     json.empty() ? "" : ", ", type, K, R, w, t_ref * 1e3, t_new * 1e3, same ? "true" : "false");
+            json += row;
         }
     }
+}
+
+int main(int argc, char ** argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s WIDTHS REPEATS K:ROWS...\n", argv[0]);
+        return 2;
+    }
+    for (int i = 0; i < (1 << 16); i++) ggml_table_f32_f16[i] = half_to_float((uint16_t) i);
+    std::vector<int> widths;
+    for (char * t = strtok(argv[1], ","); t; t = strtok(nullptr, ",")) widths.push_back(atoi(t));
+    const int repeats = atoi(argv[2]);
+    printf("type  K     rows  width  patched ms  GMAC/s  candidate ms  GMAC/s  candidate/patched  bits\n");
+    std::string json;
+    for (int i = 3; i < argc; i++) {
+        int K = 0, R = 0;
+        if (sscanf(argv[i], "%d:%d", &K, &R) != 2 || K <= 0 || K % QK_K || R <= 0 || R % 8 || repeats <= 0) {
+            fprintf(stderr, "a shape is K:ROWS, K a multiple of %d, ROWS of 8 (got %s)\n", QK_K, argv[i]);
+            return 2;
+        }
+        measure(K, R, widths, repeats, json);
+    }
+    printf("{\"kernels\": [%s]}\n", json.c_str());
     return 0;
 }

@@ -10,15 +10,18 @@
 # Needs pip (the llama-cpp-python 0.3.36 source is fetched from the package index into a temporary folder), g++
 # and an x86 CPU with AVX2. Takes about a minute.
 set -euo pipefail
+candidate=${CANDIDATE:+$(realpath "$CANDIDATE")}  # before the cd: a path relative to where it was run
 cd "$(dirname "$0")/.."
 repo=$PWD
+python=${PYTHON:-python}
+version=$(sed -n 's/^LLAMA_CPP_VERSION = //p' Makefile)  # the llama.cpp `make install-llamacpp` patches
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 WIDTHS=${WIDTHS:-1,2,5,9,16,24,36,64}
 REPEATS=${REPEATS:-5}
-python -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$work" 2>/dev/null
-tar xzf "$work"/llama_cpp_python-0.3.36.tar.gz -C "$work"
-src=$work/llama_cpp_python-0.3.36/vendor/llama.cpp
+"$python" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
+tar xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
+src=$work/llama_cpp_python-$version/vendor/llama.cpp
 patch -s -d "$src" -p1 < "$repo/native/llama.cpp-kernels.patch"
 flags=(-O3 -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -std=c++17 -w
        -I"$src/ggml/include" -I"$src/ggml/src" -I"$src/ggml/src/ggml-cpu")
@@ -29,10 +32,9 @@ compile() {  # $1 source, $2 prefix for the kernels' names, $3 object
         -Dggml_fa_split_kv_enabled="$2_split_kv" -c "$1" -o "$3"
 }
 compile "$src/ggml/src/ggml-cpu/multicol.cpp" ref "$work/ref.o"
-compile "${CANDIDATE:-$src/ggml/src/ggml-cpu/multicol.cpp}" new "$work/new.o"
+compile "${candidate:-$src/ggml/src/ggml-cpu/multicol.cpp}" new "$work/new.o"
 g++ "${flags[@]}" bench/multicol_kernels.cpp "$work/ref.o" "$work/new.o" -o "$work/multicol_kernels"
-echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs); one thread"
-for shape in "1536 1024" "8960 256"; do  # the attention/FFN-input rows, and the FFN down projection's
-    # shellcheck disable=SC2086
-    taskset -c 0 "$work/multicol_kernels" $shape "$WIDTHS" "$REPEATS" | { [ "$shape" = "1536 1024" ] && cat || tail -n +2; }
-done
+cpu=$("$python" -c "import os; print(min(os.sched_getaffinity(0)))")  # one core the process may run on
+echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs); one thread on CPU $cpu"
+# the rows of the attention and FFN inputs (1536 wide), and the FFN down projection's (8960)
+taskset -c "$cpu" "$work/multicol_kernels" "$WIDTHS" "$REPEATS" 1536:1024 8960:256

@@ -62,6 +62,34 @@ def test_structured_output_flags(pair_dirs, capsys, tmp_path):
         assert len(err) == 1 and err[0].startswith("verispec"), (flags, err)
 
 
+def test_a_json_answer_drafts_from_the_prompt_as_json_escapes_it(pair_dirs, capsys, monkeypatch, tmp_path):
+    """--json-schema: the request carries the prompt's text JSON-escaped for the lookup drafters
+    (Request.lookup_texts, as Pipeline.request makes them), standard input read once for it and the ids; a regex
+    answer carries none."""
+    import io
+
+    from verispec.pipeline.pipeline import Pipeline
+    from verispec.pipeline.text import json_string_texts
+
+    target, draft = pair_dirs
+    seen = []
+    real = Pipeline.stream
+    monkeypatch.setattr(Pipeline, "stream", lambda self, request, **kw: seen.append((self, request))
+                        or real(self, request, **kw))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object"}))
+    prompt = 'print("a")\n\tb'
+    common = ["--target", target, "--draft", draft, "--prompt", "-", "--max-new-tokens", "4", "--dtype", "fp32"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(prompt + "\n"))
+    _run_json(capsys, *common, "--json-schema", str(schema))
+    pipe, request = seen[-1]
+    assert request.lookup_texts == json_string_texts(pipe.tokenizer, [prompt]) != ()
+    assert list(request.prompt_ids) == pipe.encode(prompt)
+    monkeypatch.setattr("sys.stdin", io.StringIO(prompt))
+    _run_json(capsys, *common, "--regex", "[a-c]{3}")
+    assert seen[-1][1].lookup_texts == ()
+
+
 def test_streamed_text_equals_json_text(pair_dirs, capsys):
     target, draft = pair_dirs
     common = ["--target", target, "--draft", draft, "--prompt", "abc", "--max-new-tokens", "25", "--dtype", "fp32"]

@@ -172,24 +172,32 @@ def test_hybrid_takes_the_model_where_the_lookup_has_no_match():
 
 def test_hybrid_drafts_short_matches_while_the_model_lags_far_behind():
     """A short match drafts where the draft model would first have to catch up on more than LAG_MAX tokens (a
-    long prompt it has not read, a long run of confident lookups), the model where it lags less; a confident
-    match drafts either way, and so does the model where there is no match."""
+    long prompt it has not read, a long run of confident lookups) or cannot draft, the model where it lags less; a
+    confident match drafts either way, and the model where there is no match. A short match that finds nothing
+    leaves the row undrafted: the lagging model is not caught up for it."""
     import torch
 
+    from verispec.core.draft import Draft
     from verispec.core.sampling import SamplingParams
     from verispec.core.sequence import TokenSequence
-    from verispec.proposers import HybridDrafter, LookupDrafter, NgramProposer
+    from verispec.proposers import HybridDrafter, LookupDrafter, NgramProposer, SuffixProposer
     from verispec.proposers.hybrid import LAG_MAX
 
     class Lagging:
         model = type("OneSlot", (), {"slots": 1})()
-        lag = 0
+        lag, can_draft = 0, True
 
         def start(self, *args):
             pass
 
+        def source(self, slot, seq):
+            return "model" if self.can_draft else "none"
+
         def pending(self, slot, seq):
             return self.lag
+
+        def catch_up(self, slot, seq, limit=None):
+            raise AssertionError("a lookup row's model is not caught up")
 
         def propose(self, rows):  # no row is the model's in these rounds
             assert rows == []
@@ -199,16 +207,29 @@ def test_hybrid_drafts_short_matches_while_the_model_lags_far_behind():
     hybrid = HybridDrafter(LookupDrafter([NgramProposer(max_ngram=3, min_ngram=1, min_confident=3)]), model)
     seq = TokenSequence([1, 2, 3, 9, 1], 16, torch.device("cpu"))  # [1] occurred before: a short match
     hybrid.start(0, seq, SamplingParams(), torch.Generator())
-    for lag, source in ((LAG_MAX, "model"), (LAG_MAX + 1, "ngram-short")):
-        model.lag = lag
+    for lag, can_draft, source in ((LAG_MAX, True, "model"), (0, False, "ngram-short"),
+                                   (LAG_MAX + 1, True, "ngram-short")):
+        model.lag, model.can_draft = lag, can_draft
         assert hybrid.source(0, seq) == source
-    assert hybrid.pending(0, seq) == 0 and hybrid.propose([(0, seq, 3, None)])[0].tokens.tolist() == [2, 3, 9]
+    assert hybrid.pending(0, seq) == 0 and hybrid.catch_up(0, seq) == 0
+    assert hybrid.propose([(0, seq, 3, None)])[0].tokens.tolist() == [2, 3, 9]
     seq.extend([2, 3], torch.tensor([2, 3]))  # [1, 2, 3] occurred before: confident at any lag
-    model.lag = 0
-    assert hybrid.source(0, seq) == "ngram"
+    for lag in (0, LAG_MAX + 1):
+        model.lag = lag
+        assert hybrid.source(0, seq) == "ngram"
     seq.extend([7], torch.tensor([7]))  # no match: the model at any lag
-    model.lag = LAG_MAX + 1
     assert hybrid.source(0, seq) == "model"
+
+    class Finds(SuffixProposer):  # a short match whose walk finds no draft (as at another match depth)
+        def propose(self, seq, k):
+            return Draft(seq.device_ids.new_empty(0), None, "suffix-short")
+
+    hybrid = HybridDrafter(LookupDrafter([Finds(min_confident=3)]), model)
+    seq = TokenSequence([1, 2, 3, 9, 1], 16, torch.device("cpu"))
+    hybrid.start(0, seq, SamplingParams(), torch.Generator())
+    model.lag = LAG_MAX + 1
+    assert hybrid.source(0, seq) == "suffix-short"
+    assert hybrid.propose([(0, seq, 3, None)])[0].tokens.numel() == 0  # Lagging would fail a catch-up or propose
 
 
 def test_hybrid_falls_back_to_a_caught_up_model():

@@ -1,5 +1,5 @@
-"""Hybrid drafting: a free lookup drafter (n-gram or suffix) where it has a confident match, the draft model
-otherwise."""
+"""Hybrid drafting: a free lookup drafter (n-gram or suffix) where it has a confident match, or a short one while
+the draft model lags far behind; the draft model otherwise."""
 
 from __future__ import annotations
 
@@ -19,19 +19,19 @@ from verispec.proposers.lookup import LookupDrafter
 
 CONFIDENT = frozenset({Source.NGRAM, Source.SUFFIX})  # the lookup drafters' sources for a long (confident) match
 SHORT = frozenset({Source.NGRAM_SHORT, Source.SUFFIX_SHORT})  # their sources for a shorter match
-# Where the draft model lags behind the sequence by more than this many tokens (a long prompt it has not read, or a
-# long stretch of confident lookup drafts), a short lookup match drafts instead: catching the model up is a pass
-# over every token it skipped, which text that keeps copying its context (edits, summaries, long prompts of code)
-# does not pay back in the few rounds the model would draft there.
+# Where the draft model lags behind the sequence by more than this many of its own tokens (a long prompt it has not
+# read, or a long stretch of confident lookup drafts), a short lookup match drafts instead: catching the model up is
+# a pass over every token it skipped, which text that keeps copying its context (edits, summaries, long prompts of
+# code) does not pay back in the few rounds the model would draft there.
 LAG_MAX = 128
 
 
 class HybridDrafter:
     """Per slot, the lookup drafter when it has a confident match (its long kind: a suffix of at least its
-    `min_confident` tokens) or a short one while the draft model lags more than LAG_MAX tokens behind, the draft
-    model otherwise; a round's model rows draft together. Sources: the lookup's
-    ('ngram' or 'suffix') and 'model', so that a k policy can switch the draft model off while free lookup drafts
-    keep going. The draft model catches up on the tokens it skipped the next time it drafts."""
+    `min_confident` tokens), or a short one while the draft model lags more than LAG_MAX tokens behind or cannot
+    draft; the draft model otherwise. A round's model rows draft together. Sources: the lookup's ('ngram',
+    'suffix' and their short kinds) and 'model', so that a k policy can switch the draft model off while free
+    lookup drafts keep going. The draft model catches up on the tokens it skipped the next time it drafts."""
 
     def __init__(self, lookup: LookupDrafter, model: DraftModel | CrossVocabDraft) -> None:
         self.lookup, self.model = lookup, model
@@ -40,7 +40,8 @@ class HybridDrafter:
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         source = self.lookup.source(slot, seq)
-        if source in CONFIDENT or (source in SHORT and self.model.pending(slot, seq) > LAG_MAX):
+        if source in CONFIDENT or (source in SHORT and (self.model.pending(slot, seq) > LAG_MAX
+                                                        or self.model.source(slot, seq) == Source.NONE)):
             return source
         return Source.MODEL
 
@@ -60,9 +61,10 @@ class HybridDrafter:
         drafts: list[Draft | None] = [None] * len(rows)
         for i, row in enumerate(rows):
             slot, seq, k, _ = row
-            if k > 0 and self.source(slot, seq) != Source.MODEL:
+            source = self.source(slot, seq) if k > 0 else Source.MODEL
+            if source != Source.MODEL:
                 draft = self.lookup.propose([row])[0]
-                if draft.tokens.numel() > 0:
+                if draft.tokens.numel() > 0 or source in SHORT:  # a short one found nothing: the model lags too far
                     drafts[i], self._last[slot] = draft, self.lookup
         rest = [i for i, draft in enumerate(drafts) if draft is None]
         for i in rest:  # a confident lookup that found nothing: the engine did not catch the model up for it

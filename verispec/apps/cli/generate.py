@@ -76,41 +76,48 @@ def _constraint(args):
         raise UsageError(str(exc).replace("json_schema", "--json-schema")) from None
 
 
-def _prompt_ids(pipe, args) -> list[int]:
+def _prompt_ids(pipe, args) -> tuple[list[int], list[str]]:
     """The prompt's ids: plain text, a chat user message (a system message implies the chat template), or the
-    fill-in-the-middle prompt of --prompt and --suffix with --file's files."""
+    fill-in-the-middle prompt of --prompt and --suffix with --file's files; and the texts they were made of (each
+    read once: one may be standard input)."""
     from verispec.pipeline.text import encode_prompt
 
     if args.suffix is None:
         if args.file:
             raise UsageError("--file is the context of a fill-in-the-middle prompt: give --suffix too")
-        return encode_prompt(pipe.tokenizer, _prompt_text(args.prompt), args.chat or args.system is not None,
-                             args.system)
+        text = _prompt_text(args.prompt)
+        ids = encode_prompt(pipe.tokenizer, text, args.chat or args.system is not None, args.system)
+        return ids, [t for t in (args.system, text) if t]
     if args.chat or args.system is not None:
         raise UsageError("--suffix fills in the middle of a text: it takes no --chat or --system")
     if args.prompt == "-" and args.suffix == "-":
         raise UsageError("--prompt and --suffix cannot both read standard input")
+    prefix, suffix, files = _prompt_text(args.prompt), _prompt_text(args.suffix, "--suffix"), _files(args.file)
     try:
-        return pipe.encode_infill(_prompt_text(args.prompt), _prompt_text(args.suffix, "--suffix"), _files(args.file))
+        ids = pipe.encode_infill(prefix, suffix, files)
     except ValueError as exc:  # a target without fill-in-the-middle tokens
         raise UsageError(f"--suffix: {exc}") from None
+    return ids, [text for _, text in files] + [prefix, suffix]
 
 
 def cmd_generate(args) -> int:
     from verispec.apps.repl import LEGEND, TokenWriter
     from verispec.decoding.request import Request
+    from verispec.pipeline.text import json_string_texts
 
     params = checked_sampling(args)
     constraint = _constraint(args)
     pipe = pipeline_from_args(args)
-    prompt_ids = _prompt_ids(pipe, args)
+    prompt_ids, texts = _prompt_ids(pipe, args)
+    # a JSON answer may copy the prompt's strings as JSON escapes them (Request.lookup_texts)
+    lookup = json_string_texts(pipe.tokenizer, texts) if constraint is not None and constraint.is_json else ()
     color = use_color(args) and not args.json
     out = TokenWriter(sys.stdout, color)
     if color:
         print(LEGEND, file=sys.stderr, flush=True)
     try:
         stream = pipe.stream(Request(prompt_ids=prompt_ids, params=params, max_new_tokens=args.max_new_tokens,
-                                     stop=args.stop, constraint=constraint))
+                                     stop=args.stop, constraint=constraint, lookup_texts=lookup))
         for piece in stream.pieces():
             if not args.json:
                 out.write(piece)
