@@ -326,18 +326,21 @@ def test_exploration_climbs_only_while_drafts_are_accepted():
 
 
 def test_expensive_catch_up_spaces_probes():
-    """A probe with a draft model costs a catch-up over the skipped tokens: with a 1 s catch-up and 0.1 s
-    plain rounds, probes come at most every 1 / (0.02 * 0.1) = 500 rounds."""
-    policy = make_policy(k_max=4, probe_every=5, acceptance=[0.0] * 4, t_draft=0.3, t_verify={0: 0.1, 1: 0.2})
+    """A probe with a draft model costs a catch-up over the skipped tokens: with a 1 s catch-up, 0.1 s plain
+    rounds and a probe_overhead of 0.02, probes come at most every 1 / (0.02 * 0.1) = 500 rounds."""
+    policy = make_policy(k_max=4, probe_every=5, acceptance=[0.0] * 4, t_draft=0.3, t_verify={0: 0.1, 1: 0.2},
+                         probe_overhead=0.02)
     run_round(policy, 1, 0, 0.3, 0.2, catchup_seconds=1.0)
     picks = [policy.choose(limit=10) for _ in range(1000)]
     assert [i for i, k in enumerate(picks) if k == 1] == [499, 999]
 
 
 def test_probe_catch_up_is_paid_by_its_own_generation():
-    """Plain rounds of earlier generations do not pay for a probe: with a 1 s catch-up and 0.1 s rounds a probe
-    needs 500 plain rounds in the same generation, so generations of 100 rounds never probe."""
-    policy = make_policy(k_max=4, probe_every=5, acceptance=[0.0] * 4, t_draft=0.3, t_verify={0: 0.1, 1: 0.2})
+    """Plain rounds of earlier generations do not pay for a probe: with a 1 s catch-up, 0.1 s rounds and a
+    probe_overhead of 0.02 a probe needs 500 plain rounds in the same generation, so generations of 100 rounds
+    never probe."""
+    policy = make_policy(k_max=4, probe_every=5, acceptance=[0.0] * 4, t_draft=0.3, t_verify={0: 0.1, 1: 0.2},
+                         probe_overhead=0.02)
     run_round(policy, 1, 0, 0.3, 0.2, catchup_seconds=1.0, catchup_tokens=100)
     picks = []
     for _ in range(10):
@@ -483,6 +486,22 @@ def test_measured_losses_bench_the_source_until_a_probe():
     assert picks[:4] == [4] * 4 and picks[4:13] == [0] * 9 and picks[13] == 1  # a probe after 10 rounds
     assert picks[14:18] == [4] * 4 and picks[18] == 0  # the probe's k = 1 round looked fine: judged again
     assert policy.gate.benched and policy.gate._interval >= 20
+
+
+def test_a_draft_models_verdict_is_forgotten_with_each_generation():
+    """A draft model benched in one generation drafts again in the next as its estimates admit (whether it pays
+    depends on the text); a free lookup's bench and backed-off probes hold across generations (its probes cost no
+    catch-up)."""
+    from verispec.decoding.policies.cost_aware import CostAwareK
+    from verispec.names.drafters import Source
+
+    policy = CostAwareK(k_max=4)
+    model, lookup = policy.for_source(Source.MODEL), policy.for_source(Source.SUFFIX_SHORT)
+    for source in (model, lookup):
+        source.gate.benched, source.gate._interval = True, 64
+    policy.start()
+    assert not model.gate.benched and model.gate._interval == model.gate.probe_every
+    assert lookup.gate.benched and lookup.gate._interval == 64
 
 
 def test_one_bad_round_in_a_saving_spell_does_not_bench():

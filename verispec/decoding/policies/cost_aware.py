@@ -27,7 +27,7 @@ from verispec.core.sequence import TokenSequence
 from verispec.core.timing import device_tensor
 from verispec.decoding.policies.base import Plan, RoundReport, RoundView, ema
 from verispec.decoding.policies.shared_pass import SharedPass
-from verispec.names.drafters import Source
+from verispec.names.drafters import DRAFT_MODEL_SOURCES, Source
 from verispec.names.k import K_MAX
 from verispec.proposers.ngram import NgramIndex
 
@@ -227,12 +227,13 @@ class ProbeGate:
     each failed probe. A probe makes a draft model catch up on everything it skipped, so a probe also waits
     until the generation it happens in has decoded enough plain rounds that the catch-up costs at most
     `probe_overhead` of them: each generation pays for its own probes, never with the plain rounds of the
-    prompts before it (`new_generation` starts the count over).
+    prompts before it (`new_generation` starts the count over, and may forget the verdict: `fresh`).
     """
 
     probe_every: int = 16  # plain rounds before the first probe
     max_probe_every: int = 256
-    probe_overhead: float = 0.02  # a probe's catch-up may cost at most this share of the generation's plain rounds
+    probe_overhead: float = 0.1  # a probe's catch-up's share of the generation's plain rounds, at most (a small
+    # draft's catch-up over a chat prompt costs a few: ~3.5 for SmolLM2 drafting the 1.5B on llama.cpp)
     margin: float = 0.05  # a draft must be predicted to save this share of plain decoding's cost per token
     judge_after: int = 4  # drafting rounds before their measured saving can bench the source
     decay: float = 0.85  # weight of the past in the running mean of the savings
@@ -249,9 +250,13 @@ class ProbeGate:
         _check_decay(self.decay)
         self._interval = self._bench_interval = self.probe_every
 
-    def new_generation(self) -> None:
-        """A generation starts: a probe's catch-up is paid by this generation's plain rounds from here on."""
+    def new_generation(self, fresh: bool = False) -> None:
+        """A generation starts: a probe's catch-up is paid by this generation's plain rounds from here on;
+        `fresh`: the verdict of the ones before is forgotten (not benched, probes not backed off)."""
         self._gen_off_rounds = 0
+        if fresh:
+            self.benched, self._saving, self._judged = False, None, 0
+            self._interval = self._bench_interval = self.probe_every
 
     def admits(self, seconds_per_token: float, plain_seconds: float) -> bool:
         """A draft predicted to cost `seconds_per_token` against plain decoding's `plain_seconds` may run."""
@@ -404,8 +409,10 @@ class CostAwareK:
         return self.by_source[source]
 
     def start(self) -> None:
-        for policy in self.by_source.values():
-            policy.gate.new_generation()
+        """A generation starts. A draft model's source is judged afresh (whether it pays depends on the text; benched,
+        it would wait out probes priced by catch-ups over new prompts); a free lookup's keeps its verdict."""
+        for source, policy in self.by_source.items():
+            policy.gate.new_generation(fresh=source in DRAFT_MODEL_SOURCES)
 
     def choose(self, view: RoundView) -> Plan:
         policy = self._policy = self.for_source(view.source)
