@@ -19,10 +19,14 @@ extern "C" {
 float ggml_table_f32_f16[1 << 16];  // what ggml-cpu fills at start: GGML_CPU_FP16_TO_FP32 reads it
 void ggml_abort(const char *, int, const char *, ...) { abort(); }
 // the patched kernels (reference) and the candidate's, compiled apart with their names changed
-void ref_q4(int n, float * dst, size_t dst_stride, const void * vx, const void * vy, size_t vy_stride, int nrows, int ncols);
-void ref_q6(int n, float * dst, size_t dst_stride, const void * vx, size_t bx, const void * vy, size_t vy_stride, int nrows, int ncols);
-void new_q4(int n, float * dst, size_t dst_stride, const void * vx, const void * vy, size_t vy_stride, int nrows, int ncols);
-void new_q6(int n, float * dst, size_t dst_stride, const void * vx, size_t bx, const void * vy, size_t vy_stride, int nrows, int ncols);
+void ref_q4(int n, float * dst, size_t dst_stride, const void * vx, const void * vy, size_t vy_stride, int nrows,
+            int ncols);
+void ref_q6(int n, float * dst, size_t dst_stride, const void * vx, size_t bx, const void * vy, size_t vy_stride,
+            int nrows, int ncols);
+void new_q4(int n, float * dst, size_t dst_stride, const void * vx, const void * vy, size_t vy_stride, int nrows,
+            int ncols);
+void new_q6(int n, float * dst, size_t dst_stride, const void * vx, size_t bx, const void * vy, size_t vy_stride,
+            int nrows, int ncols);
 }
 
 static float half_to_float(uint16_t h) {

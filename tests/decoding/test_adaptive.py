@@ -496,12 +496,14 @@ def test_a_draft_models_verdict_is_forgotten_with_each_generation():
     from verispec.names.drafters import Source
 
     policy = CostAwareK(k_max=4)
-    model, lookup = policy.for_source(Source.MODEL), policy.for_source(Source.SUFFIX_SHORT)
-    for source in (model, lookup):
-        source.gate.benched, source.gate._interval = True, 64
+    model, tree, lookup = (policy.for_source(s) for s in (Source.MODEL, Source.TREE, Source.SUFFIX_SHORT))
+    for source in (model, tree, lookup):
+        source.gate.benched, source.gate._interval, source.gate._saving = True, 64, -1.0
     policy.start()
-    assert not model.gate.benched and model.gate._interval == model.gate.probe_every
-    assert lookup.gate.benched and lookup.gate._interval == 64
+    for source in (model, tree):
+        assert not source.gate.benched and source.gate._saving is None
+        assert source.gate._interval == source.gate.probe_every
+    assert lookup.gate.benched and lookup.gate._interval == 64 and lookup.gate._saving == -1.0
 
 
 def test_one_bad_round_in_a_saving_spell_does_not_bench():

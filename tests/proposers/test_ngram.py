@@ -230,6 +230,17 @@ def test_hybrid_drafts_short_matches_while_the_model_lags_far_behind():
     model.lag = LAG_MAX + 1
     assert hybrid.source(0, seq) == "suffix-short"
     assert hybrid.propose([(0, seq, 3, None)])[0].tokens.numel() == 0  # Lagging would fail a catch-up or propose
+    hybrid.observe(0, seq, 0, 0)  # the lookup's round, not the model's
+
+    class Nothing(NgramProposer):  # a confident match, no draft drawn from it
+        def propose(self, seq, k):
+            return Draft(seq.device_ids.new_empty(0), None, "ngram")
+
+    hybrid = HybridDrafter(LookupDrafter([Nothing(max_ngram=3, min_ngram=1, min_confident=2)]), model)
+    seq = TokenSequence([1, 2, 3, 1, 2], 16, torch.device("cpu"))  # [1, 2] occurred before
+    hybrid.start(0, seq, SamplingParams(), torch.Generator())
+    assert hybrid.source(0, seq) == "ngram"
+    assert hybrid.propose([(0, seq, 3, None)])[0].tokens.numel() == 0  # no fallback to a model that far behind
 
 
 def test_hybrid_falls_back_to_a_caught_up_model():

@@ -40,10 +40,13 @@ class HybridDrafter:
 
     def source(self, slot: int, seq: TokenSequence) -> str:
         source = self.lookup.source(slot, seq)
-        if source in CONFIDENT or (source in SHORT and (self.model.pending(slot, seq) > LAG_MAX
-                                                        or self.model.source(slot, seq) == Source.NONE)):
+        if source in CONFIDENT or (source in SHORT and self._model_off(slot, seq)):
             return source
         return Source.MODEL
+
+    def _model_off(self, slot: int, seq: TokenSequence) -> bool:
+        """The draft model lags more than LAG_MAX tokens behind, or cannot draft."""
+        return self.model.pending(slot, seq) > LAG_MAX or self.model.source(slot, seq) == Source.NONE
 
     def pending(self, slot: int, seq: TokenSequence) -> int:
         return self.model.pending(slot, seq) if self.source(slot, seq) == Source.MODEL else 0
@@ -64,10 +67,10 @@ class HybridDrafter:
             source = self.source(slot, seq) if k > 0 else Source.MODEL
             if source != Source.MODEL:
                 draft = self.lookup.propose([row])[0]
-                if draft.tokens.numel() > 0 or source in SHORT:  # a short one found nothing: the model lags too far
-                    drafts[i], self._last[slot] = draft, self.lookup
+                if draft.tokens.numel() > 0 or source in SHORT or self._model_off(slot, seq):  # found nothing: the
+                    drafts[i], self._last[slot] = draft, self.lookup  # model only where it is near enough to pay
         rest = [i for i, draft in enumerate(drafts) if draft is None]
-        for i in rest:  # a confident lookup that found nothing: the engine did not catch the model up for it
+        for i in rest:  # a confident lookup that found nothing near the model: the engine did not catch it up
             slot, seq, k, _ = rows[i]
             if k > 0 and self.model.pending(slot, seq):
                 self.model.catch_up(slot, seq)

@@ -251,12 +251,12 @@ class ProbeGate:
         self._interval = self._bench_interval = self.probe_every
 
     def new_generation(self, fresh: bool = False) -> None:
-        """A generation starts: a probe's catch-up is paid by this generation's plain rounds from here on;
-        `fresh`: the verdict of the ones before is forgotten (not benched, probes not backed off)."""
+        """A generation starts: a probe's catch-up is paid by its own plain rounds from here on. `fresh`: the verdict
+        before is forgotten (not benched, a probe after probe_every), not how long the next bench lasts."""
         self._gen_off_rounds = 0
         if fresh:
             self.benched, self._saving, self._judged = False, None, 0
-            self._interval = self._bench_interval = self.probe_every
+            self._interval, self._off_rounds = self.probe_every, 0
 
     def admits(self, seconds_per_token: float, plain_seconds: float) -> bool:
         """A draft predicted to cost `seconds_per_token` against plain decoding's `plain_seconds` may run."""
@@ -409,8 +409,8 @@ class CostAwareK:
         return self.by_source[source]
 
     def start(self) -> None:
-        """A generation starts. A draft model's source is judged afresh (whether it pays depends on the text; benched,
-        it would wait out probes priced by catch-ups over new prompts); a free lookup's keeps its verdict."""
+        """A request is admitted (rows with k = auto share this policy): a draft model's source is judged afresh, its
+        pay depending on the text (benched, it would wait out probes priced by catch-ups over new prompts)."""
         for source, policy in self.by_source.items():
             policy.gate.new_generation(fresh=source in DRAFT_MODEL_SOURCES)
 
