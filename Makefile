@@ -4,8 +4,8 @@ VERISPEC_HOME ?= $(HOME)/.cache/verispec
 .PHONY: setup install install-llamacpp llamacpp-wheel models test test-fast browser-deps
 
 # Install the package and its extras (serve, bench, test) into the current Python environment (torch pinned to
-# 2.13.0, CPU) and pull the default model pair and the small test model (GGUFs and tokenizers; transformers' bf16
-# copies are made on first use) while
+# 2.13.0, CPU) and pull the models the defaults use: the default pair and SmolLM2-135M (llama.cpp's draft for one user
+# and the tests' small model; GGUFs and tokenizers; transformers' bf16 copies are made on first use) while
 # the optional llama.cpp backend compiles beside them (it needs neither); then install it. A failed llama.cpp
 # build prints its last lines and a warning, and the default pair runs on transformers; a failed install or pull,
 # or an interrupt, stops the build too (setsid: it runs in a process group of its own, whatever the shell).
@@ -83,7 +83,6 @@ install-llamacpp:
 
 models:
 	$(PYTHON) -m verispec.apps.cli models pull
-	$(PYTHON) -m verispec.apps.cli models pull smollm2-135m-instruct
 
 # The unit tests run on tiny models, one thread each (in process, and the servers they start: tests/conftest.py),
 # so they run in parallel: one pytest-xdist worker per core (at most 8), a test file per worker at a time (its

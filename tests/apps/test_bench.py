@@ -612,23 +612,27 @@ def test_bench_times_the_text_unless_rounds_only(pair_dirs, monkeypatch, text):
     assert sum(pushed) == (tokens if text else 0) and tokens == 12
 
 
-@pytest.mark.parametrize("backend, drafters, k, want", [
-    ("llamacpp", None, None, ("suffix", "auto")),  # what generate runs there
-    ("hf", None, None, ("model", "4")),
-    ("llamacpp", "ngram", None, ("ngram", "auto")),  # another drafter: that backend's default k
-    ("hf", "ngram", None, ("ngram", "4")),
-    ("llamacpp", None, "2", ("suffix", "2")),
+@pytest.mark.parametrize("backend, target, drafters, k, want", [
+    ("llamacpp", "mine", None, None, ("suffix", "auto")),  # what generate runs there
+    ("llamacpp", None, None, None, ("hybrid-suffix", "auto")),  # the default target: the backend's own pair
+    ("hf", "mine", None, None, ("model", "4")),
+    ("hf", None, None, None, ("model", "4")),
+    ("llamacpp", "mine", "ngram", None, ("ngram", "auto")),  # another drafter: that backend's default k
+    ("hf", "mine", "ngram", None, ("ngram", "4")),
+    ("llamacpp", "mine", None, "2", ("suffix", "2")),
 ])
-def test_bench_measures_what_generate_runs_unless_told(monkeypatch, pair_dirs, backend, drafters, k, want):
+def test_bench_measures_what_generate_runs_unless_told(monkeypatch, pair_dirs, tmp_path, backend, target, drafters,
+                                                       k, want):
     import argparse
 
     import verispec.assembly.resolve as resolve
     from verispec.apps.cli.bench import _generate_defaults
 
     monkeypatch.setattr(resolve, "resolve_target_backend", lambda spec: (backend, "asked"))
-    args = argparse.Namespace(drafters=drafters, num_draft_tokens=k, draft_backend="auto", target=pair_dirs[0],
-                              draft=None, pull=False, backend="auto", device="cpu", dtype="fp32", ctx_size=None,
-                              exact_kernels=False)
+    monkeypatch.setattr(resolve, "installed", lambda name: tmp_path)  # the default models, as if pulled
+    args = argparse.Namespace(drafters=drafters, num_draft_tokens=k, draft_backend="auto",
+                              target=pair_dirs[0] if target == "mine" else target, draft=None, pull=False,
+                              backend="auto", device="cpu", dtype="fp32", ctx_size=None, exact_kernels=False)
     got_drafters, got_k, note = _generate_defaults(args)
     assert (got_drafters, got_k) == want and backend in note and f"-k {want[1]}" in note
 

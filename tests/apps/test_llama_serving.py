@@ -14,6 +14,7 @@ import pytest
 import verispec
 from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.decoding.request import GenerationResult, Request
+from verispec.names.k import DEFAULTS
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +34,10 @@ def pipes():
     if suffix.kernels is None or "; batch-invariant" not in suffix.kernels:
         pytest.skip(f"the kernels here are not batch-invariant: {suffix.kernels}")
     model = verispec.load(DEFAULT_TARGET, DEFAULT_DRAFT, backend="llamacpp", drafter="model", k=4)
-    return {"suffix": suffix, "model": model}
+    pair = verispec.load(backend="llamacpp")  # the default pair for one user: SmolLM2 beside the suffix lookups
+    own = DEFAULTS["llamacpp"]
+    assert (pair.drafter, pair.k, pair.draft_ref) == (own.pair_drafter, own.k, own.draft)
+    return {"suffix": suffix, "model": model, "hybrid": pair}
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +82,11 @@ def _run_schedule(slots, requests: list[Request]) -> tuple[dict[int, list[int]],
     return done, cancelled, accepted
 
 
-@pytest.mark.parametrize("drafter", ["suffix", "model"])
+@pytest.mark.parametrize("drafter", ["suffix", "model", "hybrid"])
 def test_staggered_batched_requests_equal_their_solo_outputs(pipes, greedy, drafter):
     """Six greedy requests through 4 slots, arriving at different rounds, one cancelled part-way and sent again:
-    every answer is bitwise its solo answer, and the cancelled one had committed a prefix of it. With the suffix
+    every answer is bitwise its solo answer, and the cancelled one had committed a prefix of it; with each drafter,
+    the default pair's among them (SmolLM2-135M, of another tokenizer, beside the suffix lookups). With the suffix
     drafter the schedule runs twice: the second time it remembers every answer (its drafts change, the tokens do
     not)."""
     pipe = pipes[drafter]

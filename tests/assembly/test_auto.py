@@ -167,15 +167,24 @@ def test_the_table_is_applied_and_explicit_settings_win(pair_dirs, monkeypatch):
 
 @pytest.mark.parametrize("backend", sorted(DEFAULTS))
 def test_default_pair_loads_a_draft_only_for_a_drafter_that_uses_one(backend, tmp_path, monkeypatch):
-    """With the default pair and no drafter named, the default draft is named (hence loaded) only when the
-    backend's default drafter drafts with a model."""
+    """With the default pair and no drafter named, a draft is named (hence loaded) only when the backend's
+    default drafter drafts with a model, or the backend pairs the default target with a draft of its own: for
+    one user's generation, not for a server."""
     monkeypatch.setenv("VERISPEC_HOME", str(tmp_path))
-    for name in (DEFAULT_TARGET, DEFAULT_DRAFT):
+    for name in (DEFAULT_TARGET, DEFAULT_DRAFT, *(d.draft for d in DEFAULTS.values() if d.draft)):
         _fake_install(tmp_path, name)
-    expected = DEFAULT_DRAFT if DRAFTERS[DEFAULTS[backend].drafter].needs_model else None
-    assert default_refs(None, None, "auto", backend=backend) == (DEFAULT_TARGET, expected)
-    assert default_refs(None, None, "model", backend=backend) == (DEFAULT_TARGET, DEFAULT_DRAFT)  # named
-    assert default_refs(None, "other", "auto", backend=backend) == (DEFAULT_TARGET, "other")
+    own = DEFAULTS[backend]
+    alone = DEFAULT_DRAFT if DRAFTERS[own.drafter].needs_model else None
+    if own.pair_drafter is not None:
+        assert default_refs(None, None, "auto", backend=backend) == (DEFAULT_TARGET, own.draft, own.pair_drafter)
+        assert default_refs(None, None, own.pair_drafter, backend=backend) == (DEFAULT_TARGET, own.draft,
+                                                                               own.pair_drafter)
+    else:
+        assert default_refs(None, None, "auto", backend=backend) == (DEFAULT_TARGET, alone, "auto")
+    assert default_refs(None, None, "auto", backend=backend, serving=True) == (DEFAULT_TARGET, alone, "auto")
+    assert default_refs(None, None, "model", backend=backend) == (DEFAULT_TARGET, DEFAULT_DRAFT, "model")  # named
+    assert default_refs(None, "other", "auto", backend=backend) == (DEFAULT_TARGET, "other", "auto")
+    assert default_refs("mine", None, "auto", backend=backend) == ("mine", None, "auto")  # a target named
 
 
 def test_cli_without_a_drafter_on_a_target_alone(pair_dirs, capsys, monkeypatch):
@@ -408,3 +417,25 @@ def test_both_backends_stop_where_llama_cpp_stops():
     hf = verispec.load(name, backend="hf", dtype="fp32", drafter=None)
     assert hf.engine.eos_token_ids == llama.engine.eos_token_ids
     assert hf.generate(prompt, max_new_tokens=48).token_ids == ended.token_ids
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_default_pair_is_one_users_a_server_keeps_the_backends_drafter(command, monkeypatch, tmp_path):
+    """With no model named on llama.cpp, `generate` builds the backend's own pair (its pair drafter and draft
+    model), `verispec serve`, whose requests share each pass, the backend's drafter without a draft."""
+    import verispec.assembly.build as build_module
+    import verispec.assembly.resolve as resolve_module
+
+    built = []
+
+    def fake_build(target, draft, k, **_):
+        built.append(draft)
+        raise KeyboardInterrupt  # stops the command here: nothing loads
+
+    monkeypatch.setattr(resolve_module, "resolve_target_backend", lambda spec: ("llamacpp", "asked"))
+    monkeypatch.setattr(resolve_module, "installed", lambda name: tmp_path)
+    monkeypatch.setattr(build_module, "build", fake_build)
+    assert main([command, *(["--prompt", "hi"] if command == "generate" else [])]) != 0
+    own = DEFAULTS["llamacpp"]
+    want = (own.pair_drafter, own.draft) if command == "generate" else ("auto", None)
+    assert (built[0].drafter, built[0].model) == want

@@ -173,7 +173,7 @@ def test_default_pair_missing_is_refused_with_its_fix(tmp_path, monkeypatch):
     with pytest.raises(SpecError) as info:
         default_refs(None, None, "model")
     assert "verispec models pull" in str(info.value) and info.value.fixes == (("pull", True),)
-    assert default_refs("t", "d", "model") == ("t", "d")  # given references are not looked up here
+    assert default_refs("t", "d", "model") == ("t", "d", "model")  # given references are not looked up here
 
 
 def test_store_loads_each_model_once(pair_dirs, monkeypatch):

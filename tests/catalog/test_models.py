@@ -16,7 +16,7 @@ import pytest
 
 from verispec.apps.cli import main
 from verispec.backends.loading import resolve
-from verispec.catalog import KNOWN_MODELS, KnownModel
+from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, KNOWN_MODELS, KnownModel
 from verispec.catalog import cache as models
 from verispec.names.errors import ModelError
 
@@ -329,3 +329,18 @@ def test_pull_with_weights_converts_a_model_another_pull_just_installed(fake, mo
     monkeypatch.setattr(models, "installed", not_yet_at_first)
     assert models.pull("fake-model", convert=_convert_ok, weights=True) == (path, False)
     assert (path / "hf" / "config.json").is_file()
+
+
+def test_cli_pull_without_names_installs_what_the_defaults_use(monkeypatch, tmp_path, capsys):
+    """`verispec models pull` installs every model a default can load: the default pair and the draft of each
+    backend's own pair (llama.cpp's SmolLM2-135M), so that the message "run `verispec models pull`" fixes a
+    missing default."""
+    from verispec import catalog
+    from verispec.names.k import DEFAULTS
+
+    pulled = []
+    monkeypatch.setenv("VERISPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(catalog, "pull", lambda name, **_: pulled.append(name) or (tmp_path / name, None))
+    assert main(["models", "pull"]) == 0
+    assert set(pulled) == {DEFAULT_TARGET, DEFAULT_DRAFT, *(d.draft for d in DEFAULTS.values() if d.draft)}
+    assert "smollm2-135m-instruct" in pulled

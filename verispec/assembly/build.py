@@ -70,8 +70,10 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     if dtype_auto and "hf" in (target.backend, draft_backend):  # a model loaded through transformers
         reason += "; " + choose_dtype(device)[1]
     defaults = DEFAULTS.get(target.backend)
-    if (k is None and default_pair and defaults is not None and draft.drafter == defaults.drafter
-            and draft_backend in (None, target.backend)):  # the backend's own default pair
+    own_pair = draft is not None and defaults is not None and draft_backend in (None, target.backend) and (
+        default_pair and draft.drafter == defaults.drafter
+        or draft.drafter == defaults.pair_drafter and draft.model == defaults.draft)  # the backend's own pair
+    if k is None and own_pair:
         k = defaults.k
         name = BACKEND_NAMES.get(target.backend, target.backend)
         reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
@@ -240,7 +242,7 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
     are the fields of TargetSpec and DraftSpec (`ctx_size` applies to every llama.cpp model of the pair;
     `dtype` None: see choose_dtype). `pipe.reason` says why the backend (and a dtype not asked for) was chosen."""
     if not is_loaded(target):
-        target, draft = default_refs(target, draft, drafter, pull_missing, backend, device)
+        target, draft, drafter = default_refs(target, draft, drafter, pull_missing, backend, device)
     target_spec = TargetSpec(target, backend, device, dtype, ctx_size, tokenizer, exact_kernels)
     if drafter is None:
         if draft is not None:

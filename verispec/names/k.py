@@ -2,7 +2,8 @@
 
 k is an integer >= 0 (0: plain decoding) or 'auto' (a cost-aware policy picks it each round, 0..K_MAX). Without a
 k the backend's default drafter gets DEFAULTS' k; any other drafter gets default_k: 'auto' where llama.cpp runs
-(its passes' cost grows with their width, so a fixed k can lose to plain decoding), else DEFAULT_K."""
+(its passes' cost grows with their width, so a fixed k can lose to plain decoding), else DEFAULT_K. DEFAULTS also
+says which drafter the default target gets where its backend pairs it with a draft model of its own."""
 
 from __future__ import annotations
 
@@ -37,16 +38,26 @@ def parse_k(text: str) -> int | str:
 
 @dataclass(frozen=True)
 class Defaults:
-    """The drafter and k a target backend gets when the user names neither."""
+    """The drafter and k a target backend gets when the user names neither. `pair_drafter` and `draft`, where
+    set: one user's generation with the default target and no draft named drafts with `pair_drafter` and the
+    catalog model `draft` instead (a server, whose rows share each pass, keeps `drafter`)."""
 
     drafter: str
     k: int | str
+    pair_drafter: str | None = None
+    draft: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.pair_drafter is None) != (self.draft is None):
+            raise ValueError("a pair drafter and its draft model are set together")
 
 
-# per target backend; a drafter that takes no draft model (ngram, suffix) loads none, which shortens the load
+# per target backend; a drafter that takes no draft model (ngram, suffix) loads none, which shortens the load.
+# llama.cpp: the suffix lookups are free and share a server's passes well; for one user a 135M model, whose step
+# costs a small fraction of the target's, drafts where they find no confident match (docs/performance.md)
 DEFAULTS: dict[str, Defaults] = {
     "hf": Defaults("model", DEFAULT_K),
-    "llamacpp": Defaults("suffix", "auto"),
+    "llamacpp": Defaults("suffix", "auto", pair_drafter="hybrid-suffix", draft="smollm2-135m-instruct"),
 }
 
 
@@ -56,11 +67,16 @@ def default_k(target_backend: str, draft_backend: str | None) -> int | str:
     return "auto" if "llamacpp" in (target_backend, draft_backend) else DEFAULT_K
 
 
+def backend_defaults(backend: str) -> Defaults:
+    """DEFAULTS' entry for a target backend; a backend without one drafts with a draft model at DEFAULT_K."""
+    return DEFAULTS.get(backend, Defaults("model", DEFAULT_K))
+
+
 def default_drafter(backend: str, has_model: bool) -> str:
     """The drafter for DraftSpec's 'auto' on a target backend: DEFAULTS' choice, unless a draft model is given
     and that drafter takes none (then 'model': a draft model the user names is used). A backend without an
     entry drafts with a draft model."""
-    drafter = DEFAULTS[backend].drafter if backend in DEFAULTS else "model"
+    drafter = backend_defaults(backend).drafter
     if has_model and drafter in FREE_DRAFTERS:
         return "model"
     return drafter

@@ -236,12 +236,14 @@ def spec_errors():
         raise (ModelError if exc.runtime else ValueError)(f"{exc}{hint}") from None
 
 
-def model_specs(args, drafter: str | None):
-    """(TargetSpec, DraftSpec or None) from the model options; `drafter` None: plain decoding."""
+def model_specs(args, drafter: str | None, serving: bool = False):
+    """(TargetSpec, DraftSpec or None) from the model options; `drafter` None: plain decoding; `serving`: the
+    defaults of a server, whose requests share each pass (see default_refs)."""
     from verispec.assembly.resolve import default_refs
     from verispec.assembly.specs import DraftSpec, TargetSpec
 
-    target, draft = default_refs(args.target, args.draft, drafter, args.pull, args.backend, args.device)
+    target, draft, drafter = default_refs(args.target, args.draft, drafter, args.pull, args.backend, args.device,
+                                          serving)
     target_spec = TargetSpec(target, args.backend, args.device, None if args.dtype == "auto" else args.dtype,
                              args.ctx_size, exact_kernels=args.exact_kernels)
     if drafter is None:
@@ -250,12 +252,12 @@ def model_specs(args, drafter: str | None):
                                   args.draft_quant, args.draft_vocab, args.draft_forward, args.ctx_size)
 
 
-def pipeline_from_args(args):
+def pipeline_from_args(args, serving: bool = False):
     from verispec.assembly.build import build
 
     drafter = None if args.no_speculation else args.drafter or "auto"
     with spec_errors():
-        target, draft = model_specs(args, drafter)
+        target, draft = model_specs(args, drafter, serving)
         return build(target, draft, 0 if args.no_speculation else args.num_draft_tokens)
 
 

@@ -33,9 +33,9 @@ from verispec.apps.cli.bench_common import (
 )
 from verispec.apps.cli.bench_endpoints import cmd_bench_endpoints
 from verispec.apps.cli.errors import one_line, require_extra
-from verispec.names.drafters import DRAFTER_NAMES
+from verispec.names.drafters import DRAFTER_NAMES, FREE_DRAFTERS
 from verispec.names.errors import ModelError
-from verispec.names.k import DEFAULT_K, DEFAULTS, Defaults, default_k, parse_k
+from verispec.names.k import backend_defaults, default_drafter, default_k, parse_k
 from verispec.names.options import BENCH_MAX_NEW_TOKENS
 
 
@@ -128,19 +128,22 @@ def _k_list(text: str, flag: str = "--num-draft-tokens") -> list[int | str]:
 
 def _generate_defaults(args) -> tuple[str, str, str | None]:
     """(--drafters, -k, a note saying where they came from), each where not given what `generate` runs on the
-    target's backend: that backend's default drafter and its k (verispec.names.k.DEFAULTS), or for another drafter
-    the default k of the backends."""
+    target's backend: that backend's default drafter (its pair's with the default target and no draft named)
+    and its k (verispec.names.k.DEFAULTS), or for another drafter the default k of the backends."""
     if args.drafters is not None and args.num_draft_tokens is not None:
         return args.drafters, args.num_draft_tokens, None
-    from verispec.assembly.resolve import resolve_target_backend
+    from verispec.assembly.resolve import default_refs, resolve_target_backend
 
     with spec_errors():
-        target_spec, _ = model_specs(args, None)
-        backend, _ = resolve_target_backend(target_spec)
-    own = DEFAULTS.get(backend, Defaults("model", DEFAULT_K))
-    drafters = args.drafters if args.drafters is not None else own.drafter
+        backend, _ = resolve_target_backend(model_specs(args, None)[0])
+        drafters = args.drafters or default_refs(args.target, args.draft, "auto", args.pull, args.backend,
+                                                 args.device)[2]
+    if drafters == "auto":
+        drafters = default_drafter(backend, args.draft is not None)
+    own = backend_defaults(backend)
     draft_backend = None if args.draft_backend == "auto" else args.draft_backend
-    k = args.num_draft_tokens or str(own.k if drafters == own.drafter else default_k(backend, draft_backend))
+    k = args.num_draft_tokens or str(own.k if drafters in (own.drafter, own.pair_drafter)
+                                     else default_k(backend, draft_backend))
     return drafters, k, f"--drafters {drafters} -k {k}: what `generate` runs on the {backend} backend"
 
 
@@ -230,7 +233,9 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     drafters, variants, budgets = _compared(args)
     configs = configurations(drafters, ks, variants, budgets, args.compare)
-    drafter = "model" if needs_draft_model(drafters, budgets, args.compare) else "ngram"
+    # the draft model every configuration shares: the one a drafter of the list takes with these model options
+    drafter = next((d for d in drafters if d not in FREE_DRAFTERS), "model") if needs_draft_model(
+        drafters, budgets, args.compare) else "ngram"
     with spec_errors():
         target_spec, draft_spec = model_specs(args, drafter)
         bench = Bench(target_spec, draft_spec, text=not args.rounds_only)

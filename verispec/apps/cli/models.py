@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m = add_subcommand(sub, "models", "install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])
     m.add_argument("names", nargs="*",
-                   help=f"model names (default: the default pair); known: {', '.join(KNOWN_MODELS)}")
+                   help=f"model names (default: the models the defaults use: the default pair and SmolLM2-135M, llama.cpp's "
+                        f"draft for one user); known: {', '.join(KNOWN_MODELS)}")
     m.add_argument("--all", action="store_true",
                    help="pull: every known model, each converted for transformers too (else converted on first use)")
     m.set_defaults(func=cmd_models)
@@ -42,6 +43,9 @@ def _progress_printer():
 
 def cmd_models(args) -> int:
     from verispec import catalog
+    from verispec.assembly.resolve import default_models
+
+    defaults = default_models()
 
     if args.action == "list":
         root = catalog.cache_root()
@@ -51,7 +55,7 @@ def cmd_models(args) -> int:
             converted = "" if path is None or (path / catalog.HF_DIR).is_dir() else " (transformers: on first use)"
             state = f"installed  {path}{converted}" if path else "not installed"
             tag = (" (default target)" if name == DEFAULT_PAIR[0] else " (default draft)" if name == DEFAULT_PAIR[1]
-                   else "")
+                   else " (default draft on llama.cpp)" if name in defaults else "")
             print(f"  {name:<30} {spec.size / 2**20:8.1f} MiB GGUF  {state}{tag}")
             shared = catalog.installed_tokens(name) if path is not None else None
             if shared is not None:
@@ -60,7 +64,7 @@ def cmd_models(args) -> int:
         return 0
     if args.all and (args.action != "pull" or args.names):
         raise UsageError("--all goes with `models pull` and no names")
-    names = list(KNOWN_MODELS) if args.all else args.names or list(DEFAULT_PAIR)
+    names = list(KNOWN_MODELS) if args.all else args.names or list(defaults)
     for name in names:
         try:
             catalog.known(name)  # fail on an unknown name before doing anything

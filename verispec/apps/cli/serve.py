@@ -57,7 +57,7 @@ def cmd_serve(args) -> int:
         print(f"verispec serve: warning: {args.host} is reachable from other machines and no API key is set "
               f"(--api-key or VERISPEC_API_KEY): anyone who can reach it can use it", file=sys.stderr, flush=True)
     check_draft(args)
-    pipe = pipeline_from_args(args)
+    pipe = pipeline_from_args(args, serving=True)
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, pipe.target_ref, "verispec") if n))
     settings = ServerSettings(model_names=names, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                               max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
