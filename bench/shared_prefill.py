@@ -1,5 +1,5 @@
 """n choices of one long prompt, computed once (the other rows copy the first one's cache) against every row
-prefilling the prompt itself, on the default pair, in one process.
+prefilling the prompt itself, on the default target with a server's drafter (suffix), in one process.
 
     python bench/shared_prefill.py [--n 4] [--prompt-tokens 1500] [--trials 3] [--max-new-tokens 48] [--k 0]
 
@@ -83,7 +83,7 @@ def main() -> int:
     ap.add_argument("--k", default="0", help="draft length of the choices (an integer or auto; default 0)")
     args = ap.parse_args()
 
-    pipe = verispec.load()
+    pipe = verispec.load(drafter="suffix")  # what a server runs: its requests share each pass
     engine = pipe.batch(args.n)
     shared_min = prefill.SHARED_PREFIX
     results = {"shared": [], "alone": []}

@@ -613,13 +613,14 @@ def test_bench_times_the_text_unless_rounds_only(pair_dirs, monkeypatch, text):
 
 
 @pytest.mark.parametrize("backend, target, drafters, k, want", [
-    ("llamacpp", "mine", None, None, ("suffix", "auto")),  # what generate runs there
-    ("llamacpp", None, None, None, ("hybrid-suffix", "auto")),  # the default target: the backend's own pair
-    ("hf", "mine", None, None, ("model", "4")),
-    ("hf", None, None, None, ("model", "4")),
-    ("llamacpp", "mine", "ngram", None, ("ngram", "auto")),  # another drafter: that backend's default k
-    ("hf", "mine", "ngram", None, ("ngram", "4")),
-    ("llamacpp", "mine", None, "2", ("suffix", "2")),
+    ("llamacpp", "mine", None, None, ("suffix", "auto", None)),  # what generate runs there
+    ("llamacpp", None, None, None, ("hybrid-suffix", "auto", "smollm2-135m-instruct")),  # the default target's pair
+    ("llamacpp", None, "hybrid-suffix", None, ("hybrid-suffix", "auto", None)),  # named: the catalog's draft
+    ("hf", "mine", None, None, ("model", "4", None)),
+    ("hf", None, None, None, ("model", "4", None)),
+    ("llamacpp", "mine", "ngram", None, ("ngram", "auto", None)),  # another drafter: that backend's default k
+    ("hf", "mine", "ngram", None, ("ngram", "4", None)),
+    ("llamacpp", "mine", None, "2", ("suffix", "2", None)),
 ])
 def test_bench_measures_what_generate_runs_unless_told(monkeypatch, pair_dirs, tmp_path, backend, target, drafters,
                                                        k, want):
@@ -633,8 +634,9 @@ def test_bench_measures_what_generate_runs_unless_told(monkeypatch, pair_dirs, t
     args = argparse.Namespace(drafters=drafters, num_draft_tokens=k, draft_backend="auto",
                               target=pair_dirs[0] if target == "mine" else target, draft=None, pull=False,
                               backend="auto", device="cpu", dtype="fp32", ctx_size=None, exact_kernels=False)
-    got_drafters, got_k, note = _generate_defaults(args)
-    assert (got_drafters, got_k) == want and backend in note and f"-k {want[1]}" in note
+    got_drafters, got_k, got_draft, note = _generate_defaults(args)
+    assert (got_drafters, got_k, got_draft) == want and backend in note and f"-k {want[1]}" in note
+    assert (f"--draft {want[2]}" in note) == (want[2] is not None)
 
 
 def test_builtin_infills_are_left_out_for_a_target_without_fim_tokens(pair_dirs, tmp_path, capsys):

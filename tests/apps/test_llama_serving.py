@@ -30,7 +30,7 @@ def pipes():
 
     if installed(DEFAULT_TARGET) is None:
         pytest.fail(f"{DEFAULT_TARGET} is not installed; run `make setup`")
-    suffix = verispec.load(DEFAULT_TARGET, backend="llamacpp")  # the default: suffix drafter, k = auto
+    suffix = verispec.load(DEFAULT_TARGET, backend="llamacpp")  # a named target's default: suffix, k = auto
     if suffix.kernels is None or "; batch-invariant" not in suffix.kernels:
         pytest.skip(f"the kernels here are not batch-invariant: {suffix.kernels}")
     model = verispec.load(DEFAULT_TARGET, DEFAULT_DRAFT, backend="llamacpp", drafter="model", k=4)

@@ -167,9 +167,9 @@ def test_the_table_is_applied_and_explicit_settings_win(pair_dirs, monkeypatch):
 
 @pytest.mark.parametrize("backend", sorted(DEFAULTS))
 def test_default_pair_loads_a_draft_only_for_a_drafter_that_uses_one(backend, tmp_path, monkeypatch):
-    """With the default pair and no drafter named, a draft is named (hence loaded) only when the backend's
+    """With the default target and no drafter named, a draft is named (hence loaded) only when the backend's
     default drafter drafts with a model, or the backend pairs the default target with a draft of its own: for
-    one user's generation, not for a server."""
+    one user's generation, not for a server. A named drafter that takes a model gets the catalog's draft."""
     monkeypatch.setenv("VERISPEC_HOME", str(tmp_path))
     for name in (DEFAULT_TARGET, DEFAULT_DRAFT, *(d.draft for d in DEFAULTS.values() if d.draft)):
         _fake_install(tmp_path, name)
@@ -177,7 +177,7 @@ def test_default_pair_loads_a_draft_only_for_a_drafter_that_uses_one(backend, tm
     alone = DEFAULT_DRAFT if DRAFTERS[own.drafter].needs_model else None
     if own.pair_drafter is not None:
         assert default_refs(None, None, "auto", backend=backend) == (DEFAULT_TARGET, own.draft, own.pair_drafter)
-        assert default_refs(None, None, own.pair_drafter, backend=backend) == (DEFAULT_TARGET, own.draft,
+        assert default_refs(None, None, own.pair_drafter, backend=backend) == (DEFAULT_TARGET, DEFAULT_DRAFT,
                                                                                own.pair_drafter)
     else:
         assert default_refs(None, None, "auto", backend=backend) == (DEFAULT_TARGET, alone, "auto")
@@ -185,6 +185,23 @@ def test_default_pair_loads_a_draft_only_for_a_drafter_that_uses_one(backend, tm
     assert default_refs(None, None, "model", backend=backend) == (DEFAULT_TARGET, DEFAULT_DRAFT, "model")  # named
     assert default_refs(None, "other", "auto", backend=backend) == (DEFAULT_TARGET, "other", "auto")
     assert default_refs("mine", None, "auto", backend=backend) == ("mine", None, "auto")  # a target named
+
+
+def test_a_pair_draft_not_installed_leaves_the_backends_drafter_with_a_warning(tmp_path, monkeypatch):
+    """The default target's own pair on llama.cpp with its draft missing: the backend's default drafter drafts
+    alone, with a warning saying how to install the draft; asked to pull, the pair is kept (and pulled)."""
+    import verispec.assembly.resolve as resolve_module
+
+    monkeypatch.setenv("VERISPEC_HOME", str(tmp_path))
+    _fake_install(tmp_path, DEFAULT_TARGET)
+    own = DEFAULTS["llamacpp"]
+    with pytest.warns(UserWarning, match=f"'{own.draft}' is not installed.*verispec models pull"):
+        assert default_refs(None, None, "auto", backend="llamacpp") == (DEFAULT_TARGET, None, "auto")
+    pulled = []
+    monkeypatch.setattr(resolve_module, "pull", pulled.append)
+    assert default_refs(None, None, "auto", backend="llamacpp", pull_missing=True) == (DEFAULT_TARGET, own.draft,
+                                                                                       own.pair_drafter)
+    assert pulled == [own.draft]
 
 
 def test_cli_without_a_drafter_on_a_target_alone(pair_dirs, capsys, monkeypatch):

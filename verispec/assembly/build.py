@@ -53,7 +53,7 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
           store: ModelStore | None = None) -> Pipeline:
     """A pipeline for `target` drafted by `draft` (None: plain decoding) with k draft tokens per round (an
     integer >= 0, 'auto', or None: DEFAULTS' k for the backend's default drafter with any draft model on the
-    target's backend, else default_k). Models come
+    target's backend, or for its own pair, else default_k). Models come
     from `store` (a fresh one when None): pipelines built on one store share the models their specs have in
     common (see ModelStore for the reset rule). A draft model of another tokenizer drafts through a VocabBridge
     (verispec.proposers.cross_vocab), with a warning when the two share too few tokens for drafting to help.
@@ -233,7 +233,8 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
 
     `target` / `draft`: a known name, a Hugging Face directory, a .gguf file, a hub id, or a loaded
     transformers model (a loaded target needs `tokenizer=`; a loaded draft must share it). target None: the
-    default pair (the default draft too unless one is given); the default models must be installed
+    default target, and unless a draft is given its backend's own pair where it has one (llama.cpp: SmolLM2-135M
+    through hybrid-suffix, see default_refs) or the default draft; the default models must be installed
     (`verispec models pull`, or `pull_missing=True`). `backend`: auto (the fastest for this machine, see
     choose_backend), hf or llamacpp. `drafter`: a name in DRAFTERS (model, ngram, suffix, hybrid,
     hybrid-suffix), auto (the backend's default, see DEFAULTS; the default pair's draft is loaded only when

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -14,10 +15,10 @@ from verispec.assembly.registry import BACKENDS, DRAFTERS, is_loaded
 from verispec.assembly.specs import DraftSpec, TargetSpec
 from verispec.backends.loading import resolve as resolve_source
 from verispec.backends.loading import resolve_device, resolve_gguf
-from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, installed, pull
+from verispec.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, default_models, installed, pull
 from verispec.names.drafters import BACKEND_NAMES, QUANT_MODES
 from verispec.names.errors import ModelError, SpecError
-from verispec.names.k import DEFAULTS, backend_defaults, default_drafter
+from verispec.names.k import backend_defaults, default_drafter
 
 
 @dataclass(frozen=True)
@@ -223,33 +224,33 @@ def check_specs(target: TargetSpec, draft: DraftSpec | None, device: torch.devic
 def default_refs(target: str | None, draft: str | None, drafter: str | None = "model",
                  pull_missing: bool = False, backend: str = "auto", device: str = "auto",
                  serving: bool = False) -> tuple[str, str | None, str | None]:
-    """(target, draft, drafter) with the defaults filled in. target None: the default target, drafted, where no
-    draft is given, by the default pair of its backend (DEFAULTS' `pair_drafter` and `draft`, for one user's
-    generation: `serving` keeps the backend's drafter) or by the catalog's default draft for a drafter that
-    drafts with a model. `drafter` None: plain decoding, no draft; 'auto': the backend's default (`backend` and
-    `device` as TargetSpec takes them), returned as 'auto' unless the default pair names it, so that a free
-    default drafter loads no draft. The default models are made sure to be installed (pulled when
-    `pull_missing`)."""
+    """(target, draft, drafter) with the defaults filled in. target None: the default target; with no draft
+    given, drafter 'auto' becomes its backend's own pair where DEFAULTS has one (`pair_drafter` drafting with
+    `draft`) for one user's generation, not where `serving` (a server's requests share each pass); else 'auto'
+    stays (the backend's default drafter, see resolve), with the catalog's default draft where that drafter,
+    or a named one, drafts with a model. `drafter` None: plain decoding, no draft; `backend` and `device` as
+    TargetSpec takes them. The default models are made sure to be installed (pulled when `pull_missing`); a
+    pair's draft that is not installed and not to be pulled leaves the backend's default drafter, with a
+    warning."""
     default_pair = target is None
     if default_pair:
         target = DEFAULT_TARGET
     _ensure_installed(target, "target.model", pull_missing)  # before its backend is chosen: it looks at the files
-    if default_pair and draft is None and drafter is not None:
+    if default_pair and draft is None and drafter == "auto":
         name = resolve_target_backend(TargetSpec(target, backend, device))[0]
-        defaults = backend_defaults(name)
-        if drafter == "auto" and defaults.pair_drafter is not None and not serving:
-            drafter = defaults.pair_drafter
-        named = default_drafter(name, False) if drafter == "auto" else drafter
-        if named in DRAFTERS and DRAFTERS[named].needs_model:
-            draft = defaults.draft if named == defaults.pair_drafter else DEFAULT_DRAFT
+        own = backend_defaults(name)
+        if own.pair_drafter is not None and not serving:
+            if pull_missing or installed(own.draft) is not None:
+                drafter, draft = own.pair_drafter, own.draft
+            else:
+                warnings.warn(f"the default draft '{own.draft}' is not installed: {own.drafter} drafts alone "
+                              f"(`verispec models pull` installs it)", stacklevel=2)
+        if drafter == "auto" and DRAFTERS[default_drafter(name, False)].needs_model:
+            draft = DEFAULT_DRAFT
+    elif default_pair and draft is None and drafter in DRAFTERS and DRAFTERS[drafter].needs_model:
+        draft = DEFAULT_DRAFT
     _ensure_installed(draft, "draft.model", pull_missing)
     return target, draft, drafter
-
-
-def default_models() -> tuple[str, ...]:
-    """The catalog models the defaults use: the default target, the default draft and each backend's pair draft
-    (what `verispec models pull` installs without names)."""
-    return tuple(dict.fromkeys((DEFAULT_TARGET, DEFAULT_DRAFT, *(d.draft for d in DEFAULTS.values() if d.draft))))
 
 
 def _ensure_installed(ref: str | None, field_name: str, pull_missing: bool) -> None:

@@ -8,7 +8,15 @@ Importing it, or listing models, loads no torch."""
 from verispec.catalog.cache import pull, to_transformers, transformers_dir, verify
 from verispec.catalog.convert import convert_gguf, extract_tokenizer
 from verispec.catalog.disk import GGUF_NAME, HF_DIR, MANIFEST, TOKENIZER_DIR, Progress, cache_root, installed, model_dir
-from verispec.catalog.known_models import DEFAULT_DRAFT, DEFAULT_PAIR, DEFAULT_TARGET, KNOWN_MODELS, KnownModel, known
+from verispec.catalog.known_models import (
+    DEFAULT_DRAFT,
+    DEFAULT_PAIR,
+    DEFAULT_TARGET,
+    KNOWN_MODELS,
+    KnownModel,
+    default_models,
+    known,
+)
 from verispec.catalog.vocab import SharedTokens, installed_tokens, shared_tokens
 
 __all__ = [
@@ -25,6 +33,7 @@ __all__ = [
     "Progress",
     "cache_root",
     "convert_gguf",
+    "default_models",
     "extract_tokenizer",
     "installed",
     "installed_tokens",

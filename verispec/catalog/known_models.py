@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verispec.names.errors import ModelError
+from verispec.names.k import DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_PAIR = (DEFAULT_TARGET, DEFAULT_DRAFT)
+
+
+def default_models() -> tuple[str, ...]:
+    """The models the defaults use: the default pair and each target backend's own pair draft (see
+    verispec.names.k.DEFAULTS); what `verispec models pull` installs without names."""
+    return tuple(dict.fromkeys((*DEFAULT_PAIR, *(d.draft for d in DEFAULTS.values() if d.draft is not None))))
 
 
 def known(name: str) -> KnownModel:

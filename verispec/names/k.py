@@ -1,7 +1,7 @@
 """k, the number of draft tokens per round: its defaults, in one place, and its check.
 
 k is an integer >= 0 (0: plain decoding) or 'auto' (a cost-aware policy picks it each round, 0..K_MAX). Without a
-k the backend's default drafter gets DEFAULTS' k; any other drafter gets default_k: 'auto' where llama.cpp runs
+k the backend's default drafter and its own pair get DEFAULTS' k; any other drafter gets default_k: 'auto' where llama.cpp runs
 (its passes' cost grows with their width, so a fixed k can lose to plain decoding), else DEFAULT_K. DEFAULTS also
 says which drafter the default target gets where its backend pairs it with a draft model of its own."""
 

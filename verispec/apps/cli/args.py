@@ -55,8 +55,9 @@ def add_subcommand(sub: argparse._SubParsersAction, name: str, help: str) -> arg
 def add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -> None:
     p.add_argument("--target", help="target model: known name, HF directory, .gguf file or hub id (default: the "
                                     "default pair's target)")
-    p.add_argument("--draft", help="draft model (same forms) (default: the default pair's draft when --target is "
-                                   "not given, else none)")
+    p.add_argument("--draft", help="draft model (same forms) (default: with no --target, the default pair's draft "
+                                   "where the drafter takes one, or on llama.cpp SmolLM2-135M through hybrid-suffix "
+                                   "for one user (not serve); else none)")
     p.add_argument("--device", default="auto", type=_device_arg, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="weights dtype of models loaded through transformers; auto: bf16 where the device computes "
@@ -81,7 +82,8 @@ def add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -
                        help="model: the draft LM; ngram: prompt lookup (no draft model); suffix: suffix-tree lookup "
                             "over the text and earlier outputs (no draft model); hybrid / hybrid-suffix: n-gram / "
                             "suffix lookup when it matches confidently, else the draft LM (default: the target "
-                            "backend's default drafter, verispec.names.k.DEFAULTS; model when --draft is given)")
+                            "backend's default drafter, verispec.names.k.DEFAULTS, or its own pair with no --target "
+                            "and no --draft, except for serve; model when --draft is given)")
         p.add_argument("--num-draft-tokens", "-k", type=k_arg, default=None,
                        help="draft tokens per round, or 'auto' (cost-aware adaptive k, 0..8) (default: the target "
                             "backend's default with its default drafter; else 4, or auto when the target or the "

@@ -33,7 +33,7 @@ from verispec.apps.cli.bench_common import (
 )
 from verispec.apps.cli.bench_endpoints import cmd_bench_endpoints
 from verispec.apps.cli.errors import one_line, require_extra
-from verispec.names.drafters import DRAFTER_NAMES, FREE_DRAFTERS
+from verispec.names.drafters import DRAFTER_NAMES
 from verispec.names.errors import ModelError
 from verispec.names.k import backend_defaults, default_drafter, default_k, parse_k
 from verispec.names.options import BENCH_MAX_NEW_TOKENS
@@ -60,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                     "runs with the drafters compared: the backend's default k with "
                                                     "its default drafter, else auto on llama.cpp and 4 elsewhere)")
     b.add_argument("--drafters", help="drafters to compare, e.g. model,ngram,hybrid (default: what `generate` runs "
-                                      "on the target's backend: suffix on llama.cpp, model on transformers)")
+                                      "on the target's backend: suffix on llama.cpp, hybrid-suffix with "
+                                      "SmolLM2-135M there when no --target is given; model on transformers)")
     b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup", "llama", "llama-lookup"],
                    help="also run an external reference: hf = Hugging Face assisted generation, "
                         "hf-lookup = its prompt lookup decoding, llama = llama-cpp-python's own decoding of the "
@@ -126,25 +127,26 @@ def _k_list(text: str, flag: str = "--num-draft-tokens") -> list[int | str]:
     return ks
 
 
-def _generate_defaults(args) -> tuple[str, str, str | None]:
-    """(--drafters, -k, a note saying where they came from), each where not given what `generate` runs on the
-    target's backend: that backend's default drafter (its pair's with the default target and no draft named)
-    and its k (verispec.names.k.DEFAULTS), or for another drafter the default k of the backends."""
+def _generate_defaults(args) -> tuple[str, str, str | None, str | None]:
+    """(--drafters, -k, --draft, a note saying where they came from), each where not given what `generate` runs on
+    the target's backend: that backend's default drafter, or its own pair with the default target (the pair's draft
+    then returned), and its k (verispec.names.k.DEFAULTS), or for another drafter the default k of the backends."""
     if args.drafters is not None and args.num_draft_tokens is not None:
-        return args.drafters, args.num_draft_tokens, None
+        return args.drafters, args.num_draft_tokens, args.draft, None
     from verispec.assembly.resolve import default_refs, resolve_target_backend
 
     with spec_errors():
+        _, draft, drafter = default_refs(args.target, args.draft, "auto" if args.drafters is None else None,
+                                         args.pull, args.backend, args.device)
         backend, _ = resolve_target_backend(model_specs(args, None)[0])
-        drafters = args.drafters or default_refs(args.target, args.draft, "auto", args.pull, args.backend,
-                                                 args.device)[2]
-    if drafters == "auto":
-        drafters = default_drafter(backend, args.draft is not None)
     own = backend_defaults(backend)
+    pair = drafter not in (None, "auto")  # the default target's own pair
+    drafters = args.drafters or (drafter if pair else default_drafter(backend, args.draft is not None))
     draft_backend = None if args.draft_backend == "auto" else args.draft_backend
-    k = args.num_draft_tokens or str(own.k if drafters in (own.drafter, own.pair_drafter)
-                                     else default_k(backend, draft_backend))
-    return drafters, k, f"--drafters {drafters} -k {k}: what `generate` runs on the {backend} backend"
+    k = args.num_draft_tokens or str(own.k if drafters == own.drafter or pair else default_k(backend, draft_backend))
+    draft = draft if pair else args.draft
+    told = f"--drafters {drafters}" + (f" --draft {draft}" if pair else "") + f" -k {k}"
+    return drafters, k, draft, f"{told}: what `generate` runs on the {backend} backend"
 
 
 def _compared(args) -> tuple[list[str], list[str], list[int | str]]:
@@ -226,16 +228,14 @@ def cmd_bench(args) -> int:
     from verispec.apps.bench.report import build_report, render_table, write_plots
 
     params = sampling_from_args(args)
-    args.drafters, args.num_draft_tokens, defaults = _generate_defaults(args)
+    args.drafters, args.num_draft_tokens, args.draft, defaults = _generate_defaults(args)
     ks = _k_list(args.num_draft_tokens)
     prompts = bench_prompts(args)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     drafters, variants, budgets = _compared(args)
     configs = configurations(drafters, ks, variants, budgets, args.compare)
-    # the draft model every configuration shares: the one a drafter of the list takes with these model options
-    drafter = next((d for d in drafters if d not in FREE_DRAFTERS), "model") if needs_draft_model(
-        drafters, budgets, args.compare) else "ngram"
+    drafter = "model" if needs_draft_model(drafters, budgets, args.compare) else "ngram"
     with spec_errors():
         target_spec, draft_spec = model_specs(args, drafter)
         bench = Bench(target_spec, draft_spec, text=not args.rounds_only)

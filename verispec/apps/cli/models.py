@@ -16,8 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m = add_subcommand(sub, "models", "install, list and verify models")
     m.add_argument("action", choices=["pull", "list", "verify"])
     m.add_argument("names", nargs="*",
-                   help=f"model names (default: the models the defaults use: the default pair and SmolLM2-135M, llama.cpp's "
-                        f"draft for one user); known: {', '.join(KNOWN_MODELS)}")
+                   help=f"model names (default: the models the defaults use: the default pair and SmolLM2-135M, "
+                        f"llama.cpp's draft for one user); known: {', '.join(KNOWN_MODELS)}")
     m.add_argument("--all", action="store_true",
                    help="pull: every known model, each converted for transformers too (else converted on first use)")
     m.set_defaults(func=cmd_models)
@@ -43,9 +43,8 @@ def _progress_printer():
 
 def cmd_models(args) -> int:
     from verispec import catalog
-    from verispec.assembly.resolve import default_models
 
-    defaults = default_models()
+    defaults = catalog.default_models()
 
     if args.action == "list":
         root = catalog.cache_root()
