@@ -646,3 +646,23 @@ def test_builtin_infills_are_left_out_for_a_target_without_fim_tokens(pair_dirs,
     assert code == 0 and "fill-in-the-middle prompts are left out" in capsys.readouterr().err
     report = json.loads((tmp_path / "r.json").read_text())
     assert {r["category"] for r in report["runs"]} == {"qa"} and report["defaults"].startswith("--drafters model -k 4")
+
+
+def test_bench_without_flags_loads_the_pairs_draft(monkeypatch, tmp_path):
+    """`verispec bench` naming no model on llama.cpp measures the default target's own pair: its Bench drafts with
+    the pair's draft model (not the catalog's default draft, which a named hybrid-suffix would take)."""
+    from verispec.apps.bench import harness
+    from verispec.assembly import resolve
+    from verispec.names.k import DEFAULTS
+
+    built = []
+
+    def fake_bench(target, draft, **_):
+        built.append(draft)
+        raise KeyboardInterrupt  # nothing loads
+
+    monkeypatch.setattr(resolve, "resolve_target_backend", lambda spec: ("llamacpp", "asked"))
+    monkeypatch.setattr(resolve, "installed", lambda name: tmp_path)
+    monkeypatch.setattr(harness, "Bench", fake_bench)
+    assert main(["bench", "--limit", "1"]) != 0
+    assert built and built[0].model == DEFAULTS["llamacpp"].draft

@@ -456,3 +456,12 @@ def test_the_default_pair_is_one_users_a_server_keeps_the_backends_drafter(comma
     own = DEFAULTS["llamacpp"]
     want = (own.pair_drafter, own.draft) if command == "generate" else ("auto", None)
     assert (built[0].drafter, built[0].model) == want
+
+
+def test_a_defaults_entry_is_checked():
+    """An entry names a known drafter; its pair, a drafter that takes a chain-drafting model, with that model."""
+    for bad in ({"drafter": "nope", "k": 4}, {"drafter": "suffix", "k": "auto", "pair_drafter": "suffix", "draft": "d"},
+                {"drafter": "suffix", "k": "auto", "pair_drafter": "hybrid-suffix"}):
+        with pytest.raises(ValueError):
+            Defaults(**bad)
+    assert Defaults("suffix", "auto", pair_drafter="hybrid-suffix", draft="d").draft == "d"

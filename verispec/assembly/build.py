@@ -233,8 +233,9 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
 
     `target` / `draft`: a known name, a Hugging Face directory, a .gguf file, a hub id, or a loaded
     transformers model (a loaded target needs `tokenizer=`; a loaded draft must share it). target None: the
-    default target, and unless a draft is given its backend's own pair where it has one (llama.cpp: SmolLM2-135M
-    through hybrid-suffix, see default_refs) or the default draft; the default models must be installed
+    default target; with neither a draft nor a drafter named, its backend's own pair where it has one (llama.cpp:
+    SmolLM2-135M through hybrid-suffix, see default_refs; where not installed, a warning and the backend's
+    drafter), else the default draft where the drafter takes one; the default models must be installed
     (`verispec models pull`, or `pull_missing=True`). `backend`: auto (the fastest for this machine, see
     choose_backend), hf or llamacpp. `drafter`: a name in DRAFTERS (model, ngram, suffix, hybrid,
     hybrid-suffix), auto (the backend's default, see DEFAULTS; the default pair's draft is loaded only when

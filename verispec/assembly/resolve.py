@@ -244,7 +244,7 @@ def default_refs(target: str | None, draft: str | None, drafter: str | None = "m
                 drafter, draft = own.pair_drafter, own.draft
             else:
                 warnings.warn(f"the default draft '{own.draft}' is not installed: {own.drafter} drafts alone "
-                              f"(`verispec models pull` installs it)", stacklevel=2)
+                              f"(`verispec models pull` installs it)", stacklevel=3)
         if drafter == "auto" and DRAFTERS[default_drafter(name, False)].needs_model:
             draft = DEFAULT_DRAFT
     elif default_pair and draft is None and drafter in DRAFTERS and DRAFTERS[drafter].needs_model:

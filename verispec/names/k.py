@@ -1,15 +1,16 @@
 """k, the number of draft tokens per round: its defaults, in one place, and its check.
 
-k is an integer >= 0 (0: plain decoding) or 'auto' (a cost-aware policy picks it each round, 0..K_MAX). Without a
-k the backend's default drafter and its own pair get DEFAULTS' k; any other drafter gets default_k: 'auto' where llama.cpp runs
-(its passes' cost grows with their width, so a fixed k can lose to plain decoding), else DEFAULT_K. DEFAULTS also
-says which drafter the default target gets where its backend pairs it with a draft model of its own."""
+k is an integer >= 0 (0: plain decoding) or 'auto' (a cost-aware policy picks it each round, 0..K_MAX). Without a k
+the backend's default drafter and its own pair get DEFAULTS' k; any other drafter gets default_k: 'auto' where
+llama.cpp runs (its passes' cost grows with their width, so a fixed k can lose to plain decoding), else DEFAULT_K.
+DEFAULTS also says which drafter the default target gets where its backend pairs it with a draft model of its
+own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verispec.names.drafters import FREE_DRAFTERS
+from verispec.names.drafters import DRAFTER_NAMES, FREE_DRAFTERS
 
 DEFAULT_K = 4  # a fixed k where none is asked for (transformers)
 K_MAX = 8  # the largest k the cost-aware policy drafts
@@ -50,6 +51,8 @@ class Defaults:
     def __post_init__(self) -> None:
         if (self.pair_drafter is None) != (self.draft is None):
             raise ValueError("a pair drafter and its draft model are set together")
+        if self.drafter not in DRAFTER_NAMES or self.pair_drafter in (*FREE_DRAFTERS, "tree"):
+            raise ValueError(f"not a default: drafter {self.drafter!r}, pair drafter {self.pair_drafter!r}")
 
 
 # per target backend; a drafter that takes no draft model (ngram, suffix) loads none, which shortens the load.

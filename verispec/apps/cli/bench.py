@@ -61,7 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                     "its default drafter, else auto on llama.cpp and 4 elsewhere)")
     b.add_argument("--drafters", help="drafters to compare, e.g. model,ngram,hybrid (default: what `generate` runs "
                                       "on the target's backend: suffix on llama.cpp, hybrid-suffix with "
-                                      "SmolLM2-135M there when no --target is given; model on transformers)")
+                                      "SmolLM2-135M there when neither --target nor --draft is given; model on "
+                                      "transformers and wherever --draft is given)")
     b.add_argument("--compare", action="append", default=[], choices=["hf", "hf-lookup", "llama", "llama-lookup"],
                    help="also run an external reference: hf = Hugging Face assisted generation, "
                         "hf-lookup = its prompt lookup decoding, llama = llama-cpp-python's own decoding of the "
@@ -141,9 +142,12 @@ def _generate_defaults(args) -> tuple[str, str, str | None, str | None]:
         backend, _ = resolve_target_backend(model_specs(args, None)[0])
     own = backend_defaults(backend)
     pair = drafter not in (None, "auto")  # the default target's own pair
-    drafters = args.drafters or (drafter if pair else default_drafter(backend, args.draft is not None))
+    drafters = args.drafters
+    if drafters is None:
+        drafters = drafter if pair else default_drafter(backend, args.draft is not None)
     draft_backend = None if args.draft_backend == "auto" else args.draft_backend
-    k = args.num_draft_tokens or str(own.k if drafters == own.drafter or pair else default_k(backend, draft_backend))
+    own_k = pair or drafters == own.drafter and draft_backend in (None, backend)  # as build decides
+    k = args.num_draft_tokens or str(own.k if own_k else default_k(backend, draft_backend))
     draft = draft if pair else args.draft
     told = f"--drafters {drafters}" + (f" --draft {draft}" if pair else "") + f" -k {k}"
     return drafters, k, draft, f"{told}: what `generate` runs on the {backend} backend"
