@@ -135,11 +135,12 @@ def _generate_defaults(args) -> tuple[str, str, str | None, str | None]:
     if args.drafters is not None and args.num_draft_tokens is not None:
         return args.drafters, args.num_draft_tokens, args.draft, None
     from verispec.assembly.resolve import default_refs, resolve_target_backend
+    from verispec.assembly.specs import TargetSpec
 
     with spec_errors():
-        _, draft, drafter = default_refs(args.target, args.draft, "auto" if args.drafters is None else None,
-                                         args.pull, args.backend, args.device)
-        backend, _ = resolve_target_backend(model_specs(args, None)[0])
+        target, draft, drafter = default_refs(args.target, args.draft, "auto" if args.drafters is None else None,
+                                              args.pull, args.backend, args.device)
+        backend, _ = resolve_target_backend(TargetSpec(target, args.backend, args.device))
     own = backend_defaults(backend)
     pair = drafter not in (None, "auto")  # the default target's own pair
     drafters = args.drafters

@@ -232,8 +232,7 @@ class ProbeGate:
 
     probe_every: int = 16  # plain rounds before the first probe
     max_probe_every: int = 256
-    probe_overhead: float = 0.1  # a probe's catch-up's share of the generation's plain rounds, at most (a small
-    # draft's catch-up over a chat prompt costs a few: ~3.5 for SmolLM2 drafting the 1.5B on llama.cpp)
+    probe_overhead: float = 0.1  # a probe's catch-up's share of the generation's plain rounds, at most
     margin: float = 0.05  # a draft must be predicted to save this share of plain decoding's cost per token
     judge_after: int = 4  # drafting rounds before their measured saving can bench the source
     decay: float = 0.85  # weight of the past in the running mean of the savings
