@@ -101,8 +101,9 @@ def weights_not_repacked():
         llama_cpp.llama_cpp.llama_model_default_params = default
 
 
-def worker(conn, model_path: str, config: Config, context: int) -> None:
-    """Serve timing requests for one configuration: 'time' n -> seconds of a pass over n tokens at `context`."""
+def worker(conn, model_path: str, config: Config, context: int, widest: int) -> None:
+    """Serve timing requests for one configuration: 'time' n -> seconds of a pass over n tokens (at most
+    `widest`) at `context`."""
     os.environ.update(config.env)
     import torch
 
@@ -110,7 +111,7 @@ def worker(conn, model_path: str, config: Config, context: int) -> None:
     from verispec.backends.llamacpp import LlamaCppModel
 
     with weights_not_repacked() if not config.repack else contextlib.nullcontext():
-        model = Sequence(LlamaCppModel(model_path, n_ctx=context + 64, n_threads=config.threads,
+        model = Sequence(LlamaCppModel(model_path, n_ctx=context + widest, n_threads=config.threads,
                                        flash_attn=config.flash_attn))
     model.forward(torch.arange(1000, 1000 + context), last_only=True)
     conn.send("ready")
@@ -140,6 +141,16 @@ def amx_unavailable() -> str:
         if run.returncode != 0:
             return run.stdout.strip()
     return "the CPU runs AMX tiles, but this llama-cpp-python was built without them (make install-llamacpp LLAMA_AMX=1)"
+
+
+def answer(name: str, workers: dict) -> float | str:
+    """The next answer of configuration `name`'s worker; SystemExit naming the configuration if it died."""
+    proc, conn = workers[name]
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join()
+        raise SystemExit(f"configuration {name}: its process died (exit code {proc.exitcode})") from None
 
 
 def parse_widths(text: str) -> list[int]:
@@ -174,10 +185,12 @@ def main() -> None:
     workers = {}
     for name in names:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(child, path, CONFIGS[name], args.context), daemon=True)
+        proc = ctx.Process(target=worker, args=(child, path, CONFIGS[name], args.context, widths[-1]),
+                           daemon=True)
         proc.start()
-        parent.recv()
+        child.close()  # the worker's end: a worker that dies ends the parent's recv (EOFError)
         workers[name] = (proc, parent)
+        answer(name, workers)
     print(f"# {path}, {args.context} tokens cached, {args.repeats} repeats, configurations loaded: "
           f"{', '.join(workers)}", flush=True)
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in widths} for name in workers}
@@ -188,7 +201,7 @@ def main() -> None:
         for name, n in order:
             _, conn = workers[name]
             conn.send((n, repeat))
-            times[name][n].append(conn.recv())
+            times[name][n].append(answer(name, workers))
     for proc, conn in workers.values():
         conn.send(None)
         proc.join()

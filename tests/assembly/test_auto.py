@@ -182,6 +182,7 @@ def test_default_pair_loads_a_draft_only_for_a_drafter_that_uses_one(backend, tm
     else:
         assert default_refs(None, None, "auto", backend=backend) == (DEFAULT_TARGET, alone, "auto")
     assert default_refs(None, None, "auto", backend=backend, serving=True) == (DEFAULT_TARGET, alone, "auto")
+    assert default_refs(None, None, "auto", backend=backend, k=0) == (DEFAULT_TARGET, alone, "auto")  # plain
     assert default_refs(None, None, "model", backend=backend) == (DEFAULT_TARGET, DEFAULT_DRAFT, "model")  # named
     assert default_refs(None, "other", "auto", backend=backend) == (DEFAULT_TARGET, "other", "auto")
     assert default_refs("mine", None, "auto", backend=backend) == ("mine", None, "auto")  # a target named
@@ -436,10 +437,11 @@ def test_both_backends_stop_where_llama_cpp_stops():
     assert hf.generate(prompt, max_new_tokens=48).token_ids == ended.token_ids
 
 
-@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("command", ["generate", "serve", "generate -k 0"])
 def test_the_default_pair_is_one_users_a_server_keeps_the_backends_drafter(command, monkeypatch, tmp_path):
     """With no model named on llama.cpp, `generate` builds the backend's own pair (its pair drafter and draft
-    model), `verispec serve`, whose requests share each pass, the backend's drafter without a draft."""
+    model), `verispec serve`, whose requests share each pass, and `generate -k 0`, which drafts nothing, the
+    backend's drafter without a draft (no draft model loaded)."""
     import verispec.assembly.build as build_module
     import verispec.assembly.resolve as resolve_module
 
@@ -452,7 +454,8 @@ def test_the_default_pair_is_one_users_a_server_keeps_the_backends_drafter(comma
     monkeypatch.setattr(resolve_module, "resolve_target_backend", lambda spec: ("llamacpp", "asked"))
     monkeypatch.setattr(resolve_module, "installed", lambda name: tmp_path)
     monkeypatch.setattr(build_module, "build", fake_build)
-    assert main([command, *(["--prompt", "hi"] if command == "generate" else [])]) != 0
+    name, *flags = command.split()
+    assert main([name, *flags, *(["--prompt", "hi"] if name == "generate" else [])]) != 0
     own = DEFAULTS["llamacpp"]
     want = (own.pair_drafter, own.draft) if command == "generate" else ("auto", None)
     assert (built[0].drafter, built[0].model) == want

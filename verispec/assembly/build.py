@@ -233,10 +233,10 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
 
     `target` / `draft`: a known name, a Hugging Face directory, a .gguf file, a hub id, or a loaded
     transformers model (a loaded target needs `tokenizer=`; a loaded draft must share it). target None: the
-    default target; with neither a draft nor a drafter named, its backend's own pair where it has one (llama.cpp:
-    SmolLM2-135M through hybrid-suffix, see default_refs; where not installed, a warning and the backend's
-    drafter), else the default draft where the drafter takes one; the default models must be installed
-    (`verispec models pull`, or `pull_missing=True`). `backend`: auto (the fastest for this machine, see
+    default target; with neither a draft nor a drafter named and k not 0, its backend's own pair where it has
+    one (llama.cpp: SmolLM2-135M through hybrid-suffix, see default_refs; where not installed, a warning and
+    the backend's drafter), else the default draft where the drafter takes one; the default models must be
+    installed (`verispec models pull`, or `pull_missing=True`). `backend`: auto (the fastest for this machine, see
     choose_backend), hf or llamacpp. `drafter`: a name in DRAFTERS (model, ngram, suffix, hybrid,
     hybrid-suffix), auto (the backend's default, see DEFAULTS; the default pair's draft is loaded only when
     that drafter uses one), or None: plain decoding. `k`: draft tokens per round, or 'auto' (None: the
@@ -244,7 +244,7 @@ def load(target: Any = None, draft: Any = None, *, tokenizer: Any = None, drafte
     are the fields of TargetSpec and DraftSpec (`ctx_size` applies to every llama.cpp model of the pair;
     `dtype` None: see choose_dtype). `pipe.reason` says why the backend (and a dtype not asked for) was chosen."""
     if not is_loaded(target):
-        target, draft, drafter = default_refs(target, draft, drafter, pull_missing, backend, device)
+        target, draft, drafter = default_refs(target, draft, drafter, pull_missing, backend, device, k=k)
     target_spec = TargetSpec(target, backend, device, dtype, ctx_size, tokenizer, exact_kernels)
     if drafter is None:
         if draft is not None:

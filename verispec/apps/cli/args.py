@@ -245,7 +245,7 @@ def model_specs(args, drafter: str | None, serving: bool = False):
     from verispec.assembly.specs import DraftSpec, TargetSpec
 
     target, draft, drafter = default_refs(args.target, args.draft, drafter, args.pull, args.backend, args.device,
-                                          serving)
+                                          serving, args.num_draft_tokens)
     target_spec = TargetSpec(target, args.backend, args.device, None if args.dtype == "auto" else args.dtype,
                              args.ctx_size, exact_kernels=args.exact_kernels)
     if drafter is None:
