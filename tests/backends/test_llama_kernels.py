@@ -140,6 +140,70 @@ def test_exact_kernels_need_verispecs_build(system_info):
         llamacpp.use_exact_kernels()
 
 
+PATCH = os.path.join(os.path.dirname(__file__), "..", "..", "native", "llama.cpp-kernels.patch")
+AMX_PROBE = os.path.join(os.path.dirname(__file__), "..", "..", "native", "amx_probe.c")
+# llama.cpp's ggml_tile_config_init as the patch leaves it, around the line that precedes its ldtilecfg; the
+# configuration read back with sttilecfg must be the one filled in
+TILE_CONFIG_TEST = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+struct tile_config_t { uint8_t palette_id = 0; uint8_t start_row = 0; uint8_t reserved_0[14] = {0};
+                       uint16_t colsb[16] = {0}; uint8_t rows[16] = {0}; };
+__attribute__((noinline)) void init(void) {
+    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;
+    for (int i = 0; i < 8; i++) { tc.rows[i] = 16; tc.colsb[i] = 64; }
+    BEFORE_LOAD
+    _tile_loadconfig(&tc);
+}
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 2;
+    init();
+    alignas(64) tile_config_t back = {};
+    _tile_storeconfig(&back);
+    asm volatile("" : : "r"(&back) : "memory");  // the same compiler blind spot, for the store
+    _tile_release();
+    for (int i = 0; i < 8; i++) if (back.rows[i] != 16 || back.colsb[i] != 64) { puts("dropped"); return 1; }
+    puts("kept");
+    return 0;
+}
+"""
+
+
+def _line_before_tile_loadconfig() -> str:
+    """The line the patch puts before llama.cpp's `_tile_loadconfig(&tc);` (the new side of its hunk)."""
+    with open(PATCH) as f:
+        text = f.read()
+    hunk = text[text.index("diff --git a/ggml/src/ggml-cpu/amx/mmq.cpp"):]
+    new_side = [line[1:] for line in hunk.splitlines()[4:] if line[:1] in (" ", "+")]
+    at = next(i for i, line in enumerate(new_side) if line.strip() == "_tile_loadconfig(&tc);")
+    return new_side[at - 1].strip()
+
+
+def test_the_amx_tile_configuration_survives_the_compiler(tmp_path):
+    """The AMX build's tile configuration: GCC 12 at -O3 does not see that _tile_loadconfig reads the
+    configuration and drops the stores that fill it in (llama.cpp then dies at its first wide pass). The patch
+    puts a compiler barrier before the load; compiled around it here, the configuration loaded is the one filled
+    in. Runs where g++ builds AMX code and the CPU runs AMX tiles (native/amx_probe.c)."""
+    barrier = _line_before_tile_loadconfig()
+    assert barrier.startswith("asm volatile") and '"memory"' in barrier
+    probe = tmp_path / "probe"
+    if subprocess.run(["cc", "-O1", "-mamx-tile", "-mamx-int8", AMX_PROBE, "-o", str(probe)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("the compiler cannot build AMX code")
+    if subprocess.run([str(probe)], capture_output=True).returncode != 0:
+        pytest.skip("this CPU, kernel or VM does not run AMX tiles")
+    source = tmp_path / "tiles.cpp"
+    source.write_text(TILE_CONFIG_TEST.replace("BEFORE_LOAD", barrier))
+    binary = tmp_path / "tiles"
+    subprocess.run(["g++", "-O3", "-mamx-tile", "-mamx-int8", str(source), "-o", str(binary)], check=True)
+    run = subprocess.run([str(binary)], capture_output=True, text=True)
+    assert (run.returncode, run.stdout.strip()) == (0, "kept")
+
+
 def test_exact_kernels_are_llama_cpps_and_cover_every_pass():
     hf = TargetSpec("m", backend="hf", exact_kernels=True)
     with pytest.raises(SpecError) as err:
