@@ -128,6 +128,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--target", default=None, help="the target (default: the default pair's)")
     ap.add_argument("--draft", default=None, help="the draft model (default: the default pair's)")
+    ap.add_argument("--drafter", default="auto", help="the drafter (default: the pipeline's own choice)")
     ap.add_argument("--json", default=None, help="write every run's record here")
     ap.add_argument("--endpoint", default=None, help="an OpenAI-compatible server's /v1 URL instead of the library")
     ap.add_argument("--kinds", default="extract,plan,tool", help="the kinds of request to run (comma-separated)")
@@ -149,7 +150,7 @@ def main() -> int:
     from verispec.pipeline.text import encode_messages, json_string_texts, prompt_strings
     from verispec.pipeline.tools import ToolFormat
 
-    pipe = verispec.load(args.target, args.draft)
+    pipe = verispec.load(args.target, args.draft, drafter=args.drafter)
     clock = GrammarClock()
     configs = {"default": None, "plain": 0} | ({"no-texts": None} if args.no_lookup_texts_too else {})
     kinds = set(args.kinds.split(","))

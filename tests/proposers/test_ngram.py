@@ -126,6 +126,19 @@ def test_ngram_sampling_marginals_match_target(small_vocab_target):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
 
+def test_ngram_sampling_marginals_with_lookup_texts(small_vocab_target):
+    """Drafts from a request's lookup text (the prompt has no repeat of its own): tokens 1-3 follow the target's
+    exact marginals. N = 3000, V = 8; false-failure probability 3 x ALPHA."""
+    params = SamplingParams(temperature=1.0)
+    exact = _exact_marginals(small_vocab_target, [3, 1, 2], params, 3)
+    eng = make_engine(small_vocab_target, k=2, drafter="ngram", slots=8)
+    counts, drafted, _ = generation_histograms(eng, [3, 1, 2], params, 3000, 3, small_vocab_target.config.vocab_size,
+                                               lookup_texts=((5, 1, 2, 6, 7, 1, 2, 4, 4),))
+    assert drafted > 1000
+    for pos in range(3):
+        assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
+
+
 def test_ngram_negative_control_fails(small_vocab_target, monkeypatch):
     """An always-accept verifier with n-gram drafts emits the copied tokens, not p: the test must fail."""
     def always_accept(draft_tokens, draft_probs, target_probs, rng):
@@ -303,3 +316,51 @@ def test_ngram_auto_keeps_a_policy_per_match_kind(models):
     eng = make_engine(target, k="auto", drafter="ngram")
     assert eng.generate(prompt, max_new_tokens=60).token_ids == plain
     assert set(eng.k_policy.by_source) <= {"ngram", "ngram-short", "none"} and "ngram" in eng.k_policy.by_source
+
+
+def test_ngram_searches_the_lookup_texts_beside_the_sequence():
+    """A request's other texts are searched with the sequence: the longest match wins wherever it is, the
+    sequence's on a tie; a match found only in a text drafts that text's continuation; the texts go with the
+    generation."""
+    from verispec.core.sequence import TokenSequence
+    from verispec.proposers import NgramProposer
+
+    def seq_of(ids):
+        return TokenSequence(ids, 64, torch.device("cpu"))
+
+    ngram = NgramProposer(max_ngram=4, min_ngram=2, min_confident=3)
+    seq = seq_of([9, 3, 4])
+    ngram.start(seq, SamplingParams(), torch.Generator())
+    assert ngram.source(seq) == "none"  # nothing in the sequence alone
+    ngram.start(seq, SamplingParams(), torch.Generator(), [[1, 3, 4, 7, 8, 2], [5]])
+    assert (ngram.propose(seq, 3).tokens.tolist(), ngram.last_match) == ([7, 8, 2], 2)  # [3, 4] in the text
+    assert ngram.source(seq) == "ngram-short"
+    longer = seq_of([5, 9, 3, 4, 6, 9, 3, 4])  # [9, 3, 4] in the sequence beats [3, 4] in the text
+    ngram.start(longer, SamplingParams(), torch.Generator(), [[1, 3, 4, 7, 8, 2]])
+    assert ngram.propose(longer, 2).tokens.tolist() == [6, 9] and ngram.source(longer) == "ngram"
+    ngram.start(longer, SamplingParams(), torch.Generator(), [[0, 9, 3, 4, 7]])  # a tie: the sequence's
+    assert ngram.propose(longer, 1).tokens.tolist() == [6]
+    ngram.start(longer, SamplingParams(), torch.Generator(), [[6, 9, 3, 4, 7, 7]])  # longer in the text
+    assert ngram.propose(longer, 2).tokens.tolist() == [7, 7] and ngram.last_match == 4
+    ngram.end()
+    ngram.start(seq, SamplingParams(), torch.Generator())
+    assert ngram.source(seq) == "none"  # the last generation's texts are gone
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+def test_greedy_identical_with_lookup_texts(models, drafter):
+    """Drafts copied from a request's lookup texts: the plain answer itself (drafts accepted) and a text that
+    matches the prompt's end with the wrong continuation (drafts rejected) give the plain tokens."""
+    from verispec.decoding.request import Request
+
+    target, draft = models
+    prompt = list(range(2, 20))
+    plain = make_engine(target).generate(prompt, max_new_tokens=30).token_ids
+    right, wrong = tuple(prompt[-3:] + plain), tuple(prompt[-3:] + [(t + 1) % 64 for t in plain])
+    for text, copies in ((right, True), (wrong, False)):
+        eng = make_engine(target, draft, k=8, drafter=drafter)
+        out = eng.generate(Request(prompt_ids=tuple(prompt), max_new_tokens=30, lookup_texts=(text,)))
+        assert out.token_ids == plain
+        if drafter == "ngram":
+            assert out.stats.accepted >= 20 if copies else out.stats.accepted < out.stats.drafted / 2
+            assert out.stats.drafted >= 8

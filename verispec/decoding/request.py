@@ -34,9 +34,9 @@ class Request:
     EOS does not; min_tokens (in params) masks whichever ids end it; `logprobs` n >= 0: each token's logprob and
     the n most likely alternatives under the target's processed distribution (None: not computed);
     `constraint`: what the output must match (a JSON schema, a regex, a choice, a grammar: verispec.core.grammar);
-    `lookup_texts`: token texts besides the prompt that a lookup drafter (suffix) may copy from, as the answer would
-    write them (the prompt's strings escaped inside a JSON answer's strings: verispec.pipeline.text.json_string_texts);
-    they change drafts only, never tokens."""
+    `lookup_texts`: token texts besides the prompt that a lookup drafter (suffix, n-gram) may copy from, as the
+    answer would write them (the prompt's strings escaped inside a JSON answer's strings:
+    verispec.pipeline.text.json_string_texts); they change drafts only, never tokens."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
