@@ -102,8 +102,8 @@ def weights_not_repacked():
 
 
 def worker(conn, model_path: str, config: Config, context: int, widest: int) -> None:
-    """Serve timing requests for one configuration: 'time' n -> seconds of a pass over n tokens (at most
-    `widest`) at `context`."""
+    """Serve timing requests for one configuration: (n, offset) -> seconds of a pass over n tokens (at most
+    `widest`; their ids start at 2000 + offset) at `context`; None ends the worker."""
     os.environ.update(config.env)
     import torch
 

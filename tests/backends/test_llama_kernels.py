@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -190,18 +191,25 @@ def test_the_amx_tile_configuration_survives_the_compiler(tmp_path):
     in. Runs where g++ builds AMX code and the CPU runs AMX tiles (native/amx_probe.c)."""
     barrier = _line_before_tile_loadconfig()
     assert barrier.startswith("asm volatile") and '"memory"' in barrier
+    if shutil.which("cc") is None or shutil.which("g++") is None:
+        pytest.skip("no C and C++ compilers")
     probe = tmp_path / "probe"
     if subprocess.run(["cc", "-O1", "-mamx-tile", "-mamx-int8", AMX_PROBE, "-o", str(probe)],
                       capture_output=True).returncode != 0:
         pytest.skip("the compiler cannot build AMX code")
     if subprocess.run([str(probe)], capture_output=True).returncode != 0:
         pytest.skip("this CPU, kernel or VM does not run AMX tiles")
-    source = tmp_path / "tiles.cpp"
-    source.write_text(TILE_CONFIG_TEST.replace("BEFORE_LOAD", barrier))
-    binary = tmp_path / "tiles"
-    subprocess.run(["g++", "-O3", "-mamx-tile", "-mamx-int8", str(source), "-o", str(binary)], check=True)
-    run = subprocess.run([str(binary)], capture_output=True, text=True)
-    assert (run.returncode, run.stdout.strip()) == (0, "kept")
+
+    def run_with(line: str) -> str:
+        source, binary = tmp_path / "tiles.cpp", tmp_path / "tiles"
+        source.write_text(TILE_CONFIG_TEST.replace("BEFORE_LOAD", line))
+        built = subprocess.run(["g++", "-O3", "-mamx-tile", "-mamx-int8", str(source), "-o", str(binary)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            pytest.skip(f"g++ cannot build the AMX test: {built.stderr.strip().splitlines()[-1]}")
+        return subprocess.run([str(binary)], capture_output=True, text=True).stdout.strip()
+
+    assert run_with(barrier) == "kept"  # without it, GCC 12 prints "dropped"
 
 
 def test_exact_kernels_are_llama_cpps_and_cover_every_pass():

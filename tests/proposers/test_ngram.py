@@ -342,9 +342,11 @@ def test_ngram_searches_the_lookup_texts_beside_the_sequence():
     assert ngram.propose(longer, 1).tokens.tolist() == [6]
     ngram.start(longer, SamplingParams(), torch.Generator(), [[6, 9, 3, 4, 7, 7]])  # longer in the text
     assert ngram.propose(longer, 2).tokens.tolist() == [7, 7] and ngram.last_match == 4
+    whole = seq_of([9, 3, 4])  # a text holding the whole sequence: a full-length match, clipped at the text's end
+    ngram.start(whole, SamplingParams(), torch.Generator(), [[9, 3, 4, 7]])
+    assert (ngram.propose(whole, 4).tokens.tolist(), ngram.source(whole)) == ([7], "ngram")
     ngram.end()
-    ngram.start(seq, SamplingParams(), torch.Generator())
-    assert ngram.source(seq) == "none"  # the last generation's texts are gone
+    assert ngram.source(whole) == "none"  # the finished generation's texts are gone
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "hybrid"])

@@ -223,12 +223,14 @@ def check_specs(target: TargetSpec, draft: DraftSpec | None, device: torch.devic
 
 def default_refs(target: str | None, draft: str | None, drafter: str | None = "model",
                  pull_missing: bool = False, backend: str = "auto", device: str = "auto",
-                 serving: bool = False, k: int | str | None = None) -> tuple[str, str | None, str | None]:
+                 serving: bool = False, k: int | str | None = None
+                 ) -> tuple[str, str | None, str | None]:
     """(target, draft, drafter) with the defaults filled in. target None: the default target; with no draft
     given, drafter 'auto' becomes its backend's own pair where DEFAULTS has one (`pair_drafter` drafting with
     `draft`) for one user's generation, not where `serving` (a server's requests share each pass) nor where
-    `k` is 0 (nothing is drafted: the pair's draft is not loaded); else 'auto' stays (the backend's default drafter, see resolve), with the catalog's default draft where that drafter,
-    or a named one, drafts with a model. `drafter` None: plain decoding, no draft; `backend` and `device` as
+    `k` is 0 (nothing is drafted: the pair's draft is not loaded); else 'auto' stays (the backend's default
+    drafter, see resolve), with the catalog's default draft where that drafter, or a named one, drafts with a
+    model (at k 0 too: its drafter needs one). `drafter` None: plain decoding, no draft; `backend` and `device` as
     TargetSpec takes them. The default models are made sure to be installed (pulled when `pull_missing`); a
     pair's draft that is not installed and not to be pulled leaves the backend's default drafter, with a
     warning."""

@@ -1,7 +1,7 @@
-"""Prompt lookup / n-gram drafting: propose the continuation of the most recent earlier occurrence of the
-sequence's last n tokens (n from max_ngram down to min_ngram), in the sequence or in the other texts its request
-gives to copy from (Request.lookup_texts: the prompt's strings as a JSON answer escapes them). Zero model cost;
-strong when the output copies from the context (code editing, summarisation, RAG).
+"""Prompt lookup / n-gram drafting: propose the continuation of the sequence's last n tokens (n from max_ngram down
+to min_ngram) where they occurred before: their most recent earlier occurrence in the sequence, or their first in
+the other texts its request gives to copy from (Request.lookup_texts: the prompt's strings as a JSON answer escapes
+them). Zero model cost; strong when the output copies from the context (code editing, summarisation, RAG).
 
 Drafts are deterministic, so the verifier treats q as one-hot on them (`probs=None`): exact for sampling
 too. A round may propose fewer than k tokens, or none (no match): the engine then decodes plainly.
@@ -58,13 +58,14 @@ class NgramIndex:
 
 
 class TextsIndex:
-    """Where each n-gram (n = 1..max_ngram) of a generation's fixed texts first starts with a token after it."""
+    """Where each n-gram (n = min_ngram..max_ngram) of a generation's fixed texts first starts with a token after
+    it."""
 
-    def __init__(self, texts: Sequence[Sequence[int]], max_ngram: int) -> None:
+    def __init__(self, texts: Sequence[Sequence[int]], min_ngram: int, max_ngram: int) -> None:
         self.texts = [list(t) for t in texts if len(t) > 1]
         self._first: list[dict[tuple[int, ...], tuple[int, int]]] = [{} for _ in range(max_ngram + 1)]
         for t, ids in enumerate(self.texts):
-            for n in range(1, max_ngram + 1):
+            for n in range(min_ngram, max_ngram + 1):
                 for start in range(len(ids) - n):
                     self._first[n].setdefault(tuple(ids[start : start + n]), (t, start + n))
 
@@ -84,19 +85,19 @@ class NgramProposer:
         self.max_ngram, self.min_ngram, self.min_confident = max_ngram, min_ngram, min_confident
         self.last_match = 0  # n of the last match (0: none)
         self._index = NgramIndex(max_ngram)
-        self._texts = TextsIndex((), max_ngram)
+        self._texts = TextsIndex((), min_ngram, max_ngram)
 
     def start(self, seq: TokenSequence, params: SamplingParams, rng: torch.Generator,
               texts: Sequence[Sequence[int]] = ()) -> None:
         """A new generation, whose `texts` are searched besides the sequence."""
         self.last_match = 0
-        self._texts = TextsIndex(texts, self.max_ngram)
+        self._texts = TextsIndex(texts, self.min_ngram, self.max_ngram)
 
     def match(self, seq: TokenSequence) -> tuple[list[int], int, int]:
         """(the tokens this round's match continues in, where its continuation starts, its n): the longest match,
         the sequence's on a tie; ([], 0, 0): no match."""
         at, n = self._index.match(seq.ids, self.min_ngram)
-        for longer in range(min(self.max_ngram, len(seq.ids) - 1), max(n, self.min_ngram - 1), -1):
+        for longer in range(min(self.max_ngram, len(seq.ids)), max(n, self.min_ngram - 1), -1):
             found = self._texts.match(seq.ids, longer)
             if found is not None:
                 return self._texts.texts[found[0]], found[1], longer
@@ -119,7 +120,7 @@ class NgramProposer:
 
     def end(self) -> None:
         self._index = NgramIndex(self.max_ngram)  # lets the finished sequence go
-        self._texts = TextsIndex((), self.max_ngram)
+        self._texts = TextsIndex((), self.min_ngram, self.max_ngram)
 
     def reset(self) -> None:
         self.last_match = 0

@@ -57,7 +57,7 @@ def add_model_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -
                                     "default pair's target)")
     p.add_argument("--draft", help="draft model (same forms) (default: with no --target, the default pair's draft "
                                    "where the drafter takes one, or on llama.cpp SmolLM2-135M through hybrid-suffix "
-                                   "for one user (not serve); else none)")
+                                   "for one user (not serve, nor -k 0); else none)")
     p.add_argument("--device", default="auto", type=_device_arg, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="weights dtype of models loaded through transformers; auto: bf16 where the device computes "
@@ -238,14 +238,14 @@ def spec_errors():
         raise (ModelError if exc.runtime else ValueError)(f"{exc}{hint}") from None
 
 
-def model_specs(args, drafter: str | None, serving: bool = False):
+def model_specs(args, drafter: str | None, serving: bool = False, k: int | str | None = None):
     """(TargetSpec, DraftSpec or None) from the model options; `drafter` None: plain decoding; `serving`: the
-    defaults of a server, whose requests share each pass (see default_refs)."""
+    defaults of a server, whose requests share each pass, and `k` the draft length asked for (see default_refs)."""
     from verispec.assembly.resolve import default_refs
     from verispec.assembly.specs import DraftSpec, TargetSpec
 
     target, draft, drafter = default_refs(args.target, args.draft, drafter, args.pull, args.backend, args.device,
-                                          serving, args.num_draft_tokens)
+                                          serving, k)
     target_spec = TargetSpec(target, args.backend, args.device, None if args.dtype == "auto" else args.dtype,
                              args.ctx_size, exact_kernels=args.exact_kernels)
     if drafter is None:
@@ -259,7 +259,7 @@ def pipeline_from_args(args, serving: bool = False):
 
     drafter = None if args.no_speculation else args.drafter or "auto"
     with spec_errors():
-        target, draft = model_specs(args, drafter, serving)
+        target, draft = model_specs(args, drafter, serving, args.num_draft_tokens)
         return build(target, draft, 0 if args.no_speculation else args.num_draft_tokens)
 
 
