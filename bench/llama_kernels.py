@@ -23,25 +23,28 @@ that the machine's drift falls on all of them alike, and each cell is the median
     threads-1          default on one thread
 
 llama.cpp's AMX kernels are a build, not a switch: a build made with `make install-llamacpp LLAMA_AMX=1` where
-the CPU runs AMX tiles runs them in every configuration above; the last line says whether this one does, and
-if not, why.
+the CPU runs AMX tiles runs them in every configuration above; the last lines say whether each build does, and
+if not, why. `--build NAME=DIR` runs every configuration also on another llama-cpp-python build in the same run
+(DIR first on the path of those processes, e.g. `pip install --no-deps --target DIR <wheel>`): rows CONFIG@NAME.
 
 Prints a table and, last, one JSON line.
 
 Usage: python bench/llama_kernels.py [--model qwen2.5-coder-1.5b-instruct] [--context 300] [--widths 1-16]
-           [--repeats 7] [--configs default,stock,...] [--json-out out/llama_kernels.json]
+           [--repeats 7] [--configs default,stock,...] [--build NAME=DIR ...] [--json-out out/llama_kernels.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -64,6 +67,7 @@ class Config:
     repack: bool = True
     flash_attn: bool = True
     threads: int | None = None
+    site: str | None = None  # a directory holding another llama-cpp-python build, put first on the path
 
 
 STOCK = {ENV_MULTICOL: "0", ENV_SPLIT_KV: "1"}
@@ -105,6 +109,10 @@ def worker(conn, model_path: str, config: Config, context: int, widest: int) -> 
     """Serve timing requests for one configuration: (n, offset) -> seconds of a pass over n tokens (at most
     `widest`; their ids start at 2000 + offset) at `context`; None ends the worker."""
     os.environ.update(config.env)
+    if config.site is not None:
+        if "llama_cpp" in sys.modules:
+            raise RuntimeError("llama_cpp was imported before the build's directory was put on the path")
+        sys.path.insert(0, config.site)
     import torch
 
     from verispec.backends.base import Sequence
@@ -114,7 +122,7 @@ def worker(conn, model_path: str, config: Config, context: int, widest: int) -> 
         model = Sequence(LlamaCppModel(model_path, n_ctx=context + widest, n_threads=config.threads,
                                        flash_attn=config.flash_attn))
     model.forward(torch.arange(1000, 1000 + context), last_only=True)
-    conn.send("ready")
+    conn.send(build_line())
     while True:
         request = conn.recv()
         if request is None:
@@ -141,6 +149,13 @@ def amx_unavailable() -> str:
         if run.returncode != 0:
             return run.stdout.strip()
     return "the CPU runs AMX tiles, but this llama-cpp-python was built without them (make install-llamacpp LLAMA_AMX=1)"
+
+
+def build_line() -> str:
+    """What the llama-cpp-python build of this process runs, and whether AMX (if not, why)."""
+    build = kernels()
+    amx = "this build runs llama.cpp's AMX kernels" if build.amx else f"no AMX kernels: {amx_unavailable()}"
+    return f"{build.describe()}; {amx}"
 
 
 def answer(name: str, workers: dict) -> float | str:
@@ -170,6 +185,8 @@ def main() -> None:
     ap.add_argument("--widths", default="1-16", help="pass widths, e.g. 1-16 or 1,2,5,9")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument("--build", action="append", default=[], metavar="NAME=DIR",
+                    help="also run every configuration on the llama-cpp-python build in DIR (rows CONFIG@NAME)")
     ap.add_argument("--seed", type=int, default=0, help="the order the passes take turns in")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
@@ -179,18 +196,23 @@ def main() -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s) {', '.join(unknown)} (use {', '.join(CONFIGS)})")
+    configs = {name: CONFIGS[name] for name in names}
+    for spec in args.build:
+        label, _, site = spec.partition("=")
+        if not label or not os.path.isdir(os.path.join(site, "llama_cpp")):
+            ap.error(f"--build takes NAME=DIR, DIR holding a llama_cpp package; got {spec!r}")
+        configs |= {f"{name}@{label}": dataclasses.replace(CONFIGS[name], site=site) for name in names}
     widths = parse_widths(args.widths)
     path = resolve_gguf(args.model)
     ctx = mp.get_context("spawn")
-    workers = {}
-    for name in names:
+    workers, builds = {}, {}
+    for name, config in configs.items():
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(child, path, CONFIGS[name], args.context, widths[-1]),
-                           daemon=True)
+        proc = ctx.Process(target=worker, args=(child, path, config, args.context, widths[-1]), daemon=True)
         proc.start()
         child.close()  # the worker's end: a worker that dies ends the parent's recv (EOFError)
         workers[name] = (proc, parent)
-        answer(name, workers)
+        builds.setdefault(config.site, answer(name, workers))
     print(f"# {path}, {args.context} tokens cached, {args.repeats} repeats, configurations loaded: "
           f"{', '.join(workers)}", flush=True)
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in widths} for name in workers}
@@ -216,11 +238,12 @@ def main() -> None:
     for name, row in rows.items():
         rel = f"{row['c1_vs_default']:.2f}" if row["c1_vs_default"] is not None else "-"
         print(f"{name:<22} {row['c1_ms']:>8.1f} {rel:>7} " + " ".join(f"{row['c'][n]:>5.2f}" for n in widths))
-    build = kernels()
-    amx = "this build runs llama.cpp's AMX kernels" if build.amx else f"no AMX kernels: {amx_unavailable()}"
-    print(f"# {build.describe()}; {amx}")
+    labels = {None: "this environment's build"} | {site: f"@{label}" for label, _, site in
+                                                   (spec.partition("=") for spec in args.build)}
+    for site, line in builds.items():
+        print(f"# {labels[site]}: {line}")
     result = {"model": path, "context": args.context, "repeats": args.repeats, "widths": widths,
-              "configs": rows, "kernels": build.describe(), "amx": amx}
+              "configs": rows, "builds": {labels[site]: line for site, line in builds.items()}}
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=1))
