@@ -105,15 +105,15 @@ class NgramProposer:
 
     def source(self, seq: TokenSequence) -> str:
         """'ngram' (a match of at least min_confident tokens), 'ngram-short' (a shorter one) or 'none'."""
-        n = self.match(seq)[2]
+        return self._source_of(self.match(seq)[2])
+
+    def _source_of(self, n: int) -> str:
         return Source.NONE if not n else Source.NGRAM if n >= self.min_confident else Source.NGRAM_SHORT
 
     def propose(self, seq: TokenSequence, k: int) -> Draft:
-        source = self.source(seq)
-        ids, at, self.last_match = self.match(seq)
+        ids, at, self.last_match = self.match(seq)  # one lookup gives the draft and its source
         tokens = ids[at : at + k]
-        device = seq.buffer.device
-        return Draft(device_tensor(tokens, device), None, source)
+        return Draft(device_tensor(tokens, seq.buffer.device), None, self._source_of(self.last_match))
 
     def observe(self, seq: TokenSequence, drafted: int, accepted: int) -> None:
         pass
