@@ -11,6 +11,8 @@ that the machine's drift falls on all of them alike, and each cell is the median
                        across threads), every core
     avx2               default with the kernels' AVX2 variant (VERISPEC_GGML_MULTICOL_ISA=avx2): what a CPU
                        without AVX512-VNNI runs (the same as default on such a CPU)
+    one-sweep          default with every column of a pass in one sweep over the weights
+                       (VERISPEC_GGML_MULTICOL_SWEEP=0), where default sweeps a wide pass 64 columns at a time
     exact              the same with batch-invariant kernels (--exact-kernels)
     stock              llama.cpp's own kernels in the same build (VERISPEC_GGML_MULTICOL=0,
                        VERISPEC_GGML_FA_SPLIT_KV=1): repacked Q4_K GEMM on groups of 4 columns, one-column Q6_K
@@ -50,7 +52,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verispec.backends.llamacpp import ENV_EXACT, ENV_MULTICOL, ENV_MULTICOL_ISA, ENV_SPLIT_KV, EXACT_WIDTH, kernels
+from verispec.backends.llamacpp import (ENV_EXACT, ENV_MULTICOL, ENV_MULTICOL_ISA, ENV_MULTICOL_SWEEP, ENV_SPLIT_KV,
+                                        EXACT_WIDTH, kernels)
 from verispec.catalog import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +77,7 @@ STOCK = {ENV_MULTICOL: "0", ENV_SPLIT_KV: "1"}
 CONFIGS = {
     "default": Config(),
     "avx2": Config({ENV_MULTICOL_ISA: "avx2"}),
+    "one-sweep": Config({ENV_MULTICOL_SWEEP: "0"}),
     "exact": Config({ENV_EXACT: str(EXACT_WIDTH)}),
     "stock": Config(STOCK),
     "stock-no-repack": Config(STOCK, repack=False),

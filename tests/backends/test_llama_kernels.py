@@ -244,7 +244,7 @@ _PASSES = textwrap.dedent("""
         use_exact_kernels()
     model = Sequence(LlamaCppModel(resolve_gguf(name), n_ctx=1024))
     model.forward(torch.arange(1000, 1000 + context) % model.vocab_size, last_only=True)
-    tokens = torch.tensor([(2000 + 37 * i) % model.vocab_size for i in range(16)])
+    tokens = torch.tensor([(2000 + 37 * i) % model.vocab_size for i in range(max(widths))])
     out = {"kernels": kernels().describe(model.model.weight_types), "multicol": kernels().multicol, "widths": {}}
     model.rollback(context)  # token i's one-token pass sees the context and tokens[:i], whatever the width
     single = torch.cat([model.forward(tokens[i : i + 1]) for i in range(max(widths))])
@@ -362,11 +362,12 @@ def _stock_passes() -> dict:
 @pytest.mark.parametrize("isa", ["best", "avx2"])
 def test_default_kernels_compute_each_token_as_the_stock_one_token_pass(isa):
     """The default on Q4_K/Q6_K weights, in each variant of the multi-column kernels (the best this CPU runs, and
-    the AVX2 one, which AVX512 machines run when asked): every column of a pass over 2..16 tokens is bitwise what
-    the one-token pass gives (the same integer sums and float steps); and a one-token pass on them is bitwise
-    llama.cpp's own (the kernels on one-token passes only, against none, both prefilling the context alike)."""
+    the AVX2 one, which AVX512 machines run when asked): every column of a pass over 2..16 tokens, and of one over
+    80 (a prompt chunk's sweeps over the weights: 64 columns, then 16), is bitwise what the one-token pass gives
+    (the same integer sums and float steps); and a one-token pass on them is bitwise llama.cpp's own (the kernels
+    on one-token passes only, against none, both prefilling the context alike)."""
     env = {llamacpp.ENV_MULTICOL_ISA: "avx2"} if isa == "avx2" else {}
-    result = _passes(DEFAULT_TARGET, 300, "default", **env)
+    result = _passes(DEFAULT_TARGET, 300, "default", *range(2, 17), 80, **env)
     if not result["multicol"]:
         pytest.skip(f"no multi-column kernels here: {result['kernels']}")
     assert isa != "avx2" or result["multicol"] == "AVX2", result["kernels"]

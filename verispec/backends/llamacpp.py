@@ -41,6 +41,7 @@ EXACT_WIDTH = N_BATCH  # the widest pass the batch-invariant kernels cover: ever
 ENV_EXACT = "VERISPEC_GGML_EXACT"  # the patch's process-wide switches, read when llama.cpp first computes
 ENV_MULTICOL = "VERISPEC_GGML_MULTICOL"
 ENV_MULTICOL_ISA = "VERISPEC_GGML_MULTICOL_ISA"  # "avx2": the kernels' AVX2 variant even where AVX512-VNNI is there
+ENV_MULTICOL_SWEEP = "VERISPEC_GGML_MULTICOL_SWEEP"  # columns per sweep over the weights (0: all of a pass)
 ENV_SPLIT_KV = "VERISPEC_GGML_FA_SPLIT_KV"
 ENV_FA_TILED = "VERISPEC_GGML_FA_TILED"
 ENV_KV_INTERLEAVE = "VERISPEC_KV_INTERLEAVE"
