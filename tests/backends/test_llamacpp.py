@@ -145,6 +145,29 @@ def test_a_copied_prefix_decodes_as_its_source(llama, prompt):
         model.copy(1, 2, len(prompt) + 6)
 
 
+def test_a_batch_context_parks_the_one_slot_model(llama, prompt):
+    """with_slots frees the one-slot model's own llama.cpp context (the batch's KV cache takes its memory): the
+    model holds nothing meanwhile, rollback and reset have nothing to do, and its next pass opens an empty context
+    that computes what the old one did, bitwise; llama-cpp-python's own decoding runs on the reopened one too."""
+    ids = torch.tensor(prompt)
+    llama.reset()
+    before = llama.forward_rows([0], [ids])[0]
+    reference = _plain_llama_cpp(llama.llm, prompt, 4)
+    llama.reset()
+    llama.forward_rows([0], [ids[:5]])
+    batch = llama.with_slots(2)
+    assert llama.parked and llama.lengths == [0]
+    assert batch.forward_rows([1], [ids[:5]])[0].shape == (5, llama.vocab_size)  # the batch decodes meanwhile
+    llama.rollback(0, 0)
+    llama.reset()
+    assert llama.parked
+    assert torch.equal(llama.forward_rows([0], [ids])[0], before)
+    assert not llama.parked and llama.lengths == [len(prompt)]
+    llama.park()
+    assert _plain_llama_cpp(llama.llm, prompt, 4) == reference
+    llama.reset()
+
+
 def test_batched_matches_single_token_decode(llama, prompt):
     """llama.cpp's batched evaluation (verification) against one token at a time (plain decoding): same
     argmax on every position; the logits may differ in the last bits (kernel choice by batch size)."""

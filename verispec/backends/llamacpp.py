@@ -7,8 +7,9 @@ out as float32; rollback removes a sequence's KV cells past the kept length (`ll
 exact: llama.cpp's cache is per position and nothing else carries state. A context of several slots is unified
 (one pass over the weights for all rows, whatever their lengths) and places token p of sequence s in cell
 p * slots + s (the patch's VERISPEC_KV_INTERLEAVE), so a sequence's cells keep the order of its positions, as when
-it is alone. `with_slots(n)` opens another context on the same weights. llama.cpp works on host memory, so token
-ids come to the host for every pass and logits go to `device` (the pipeline's device) once per call.
+it is alone. `with_slots(n)` opens another context on the same weights and parks the one-slot model's own (freed
+until the model is used again: a batch server holds one context's memory, not two). llama.cpp works on host memory,
+so token ids come to the host for every pass and logits go to `device` (the pipeline's device) once per call.
 
 `make install-llamacpp` builds llama-cpp-python with verispec's kernel patch (native/llama.cpp-kernels.patch):
 multi-column kernels that read each Q4_K/Q6_K weight block once for many tokens of a pass and compute every token
@@ -215,6 +216,14 @@ def eog_ids_of_gguf(path: str) -> list[int]:
         llama_cpp.llama_model_free(model)
 
 
+def _reopen(llama) -> None:
+    """A new, empty context for a Llama whose own was closed (LlamaCppModel.park), with the same parameters."""
+    from llama_cpp._internals import LlamaContext
+
+    llama._ctx = LlamaContext(model=llama._model, params=llama.context_params, verbose=False)
+    llama.n_tokens = 0
+
+
 class LlamaCppModel:
     """The Model protocol over a llama.cpp context of `slots` sequences. `device` is where logits are returned;
     `n_ctx` the context of each sequence in tokens (None: context_size's rule, from the file's metadata and the
@@ -229,7 +238,7 @@ class LlamaCppModel:
             use_exact_kernels()
         if n_ctx is None:
             n_ctx = context_size(gguf_metadata(path), available_memory(), slots=slots)
-        self.llm = open_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, gpu=device.type == "cuda",
+        self._llama = open_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, gpu=device.type == "cuda",
                               flash_attn=flash_attn)
         self._open(llama_cpp, path, device, slots, n_ctx)
 
@@ -238,20 +247,17 @@ class LlamaCppModel:
         weights."""
         self._lib, self.path, self.device, self.slots = llama_cpp, path, device, slots
         self._context = None
-        if slots == 1:
-            self._ctx = self.llm._ctx.ctx
-        else:
+        if slots > 1:
             from llama_cpp._internals import LlamaContext
 
-            params = llama_cpp.llama_context_params.from_buffer_copy(self.llm.context_params)
+            params = llama_cpp.llama_context_params.from_buffer_copy(self._llama.context_params)
             params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx * slots, slots, True
             try:
-                self._context = LlamaContext(model=self.llm._model, params=params, verbose=False)
+                self._context = LlamaContext(model=self._llama._model, params=params, verbose=False)
             except ValueError as exc:
                 raise ModelError(f"llama.cpp cannot open a context of {slots} sequences x {n_ctx} tokens for "
                                  f"'{path}': {exc}") from exc
-            self._ctx = self._context.ctx
-        self.vocab_size = int(self.llm.n_vocab())
+        self.vocab_size = int(self._llama.n_vocab())
         self.max_length = int(self._lib.llama_n_ctx(self._ctx)) // slots
         self.n_batch = int(self._lib.llama_n_batch(self._ctx))
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
@@ -259,16 +265,51 @@ class LlamaCppModel:
         self.lengths = [0] * slots
         self.reset()
 
+    @property
+    def _ctx(self):
+        """The llama.cpp context: this model's own (several slots) or the Llama's (one slot; None while parked)."""
+        return (self._context if self.slots > 1 else self._llama._ctx).ctx
+
     def with_slots(self, slots: int) -> LlamaCppModel:
         """A context of `slots` sequences on the same weights, sharing this one's context as llama-server's slots
         share its -c: each sequence holds max_length // slots tokens (a multiple of CONTEXT_STEP, at least one). So
         the batch's KV cache takes this context's memory, and the context llama.cpp sees is the one this model was
-        opened with (positional encodings that depend on it stay the same)."""
+        opened with (positional encodings that depend on it stay the same). A one-slot model is parked meanwhile
+        (see park): a server decoding in the batch holds no idle cache of the whole context beside it."""
         n_ctx = max(CONTEXT_STEP, self.max_length // slots // CONTEXT_STEP * CONTEXT_STEP)
         model = LlamaCppModel.__new__(LlamaCppModel)
-        model.llm = self.llm
+        model._llama = self._llama
         model._open(self._lib, self.path, self.device, slots, n_ctx)
+        self.park()
         return model
+
+    def park(self) -> None:
+        """Free a one-slot model's llama.cpp context (the Llama's own: its KV cache of max_length tokens and its
+        compute buffers) until the model, or its Llama (`llm`), is used again, when an empty one opens with the
+        same parameters. Its cache is dropped (lengths 0), which the engine reads as nothing cached. No-op for a
+        context of several slots, or one already parked."""
+        if self.slots == 1 and not self.parked:
+            self._llama._ctx.close()
+            self.lengths[:] = [0]
+
+    @property
+    def parked(self) -> bool:
+        """Whether the model's llama.cpp context is freed (see park) until its next use."""
+        return self._ctx is None
+
+    @property
+    def llm(self):
+        """The llama_cpp.Llama, for llama-cpp-python's own calls: its own context open (reopened, empty, if
+        parked)."""
+        if self._llama._ctx.ctx is None:
+            _reopen(self._llama)
+        return self._llama
+
+    def _live(self):
+        """The llama.cpp context, reopened (empty) if parked."""
+        if self.parked:
+            _reopen(self._llama)
+        return self._ctx
 
     @functools.cached_property
     def weight_types(self) -> set[str]:
@@ -310,7 +351,7 @@ class LlamaCppModel:
         for i, (seq, pos, token, wanted) in enumerate(tokens):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, wanted
             b.seq_id[i][0] = seq
-        status = self._lib.llama_decode(self._ctx, b)
+        status = self._lib.llama_decode(self._live(), b)
         if status != 0:
             for slot in slots:
                 self._remove_from(slot, self.lengths[slot])
@@ -323,6 +364,8 @@ class LlamaCppModel:
         return flat.reshape(rows, self.vocab_size).copy()
 
     def _remove_from(self, slot: int, position: int) -> None:
+        if self.parked:  # nothing held
+            return
         memory = self._lib.llama_get_memory(self._ctx)
         if not self._lib.llama_memory_seq_rm(memory, self._seq[slot], position, -1):
             raise RuntimeError(f"llama.cpp could not remove cache cells from position {position}")
@@ -345,10 +388,11 @@ class LlamaCppModel:
         """Slot dst's cache becomes the first `length` positions of src's: src's sequence state (its cells' keys
         and values, bit for bit) read out and written into dst's cells, then rolled back to `length`."""
         check_copy(self, src, dst, length)
-        size = int(self._lib.llama_state_seq_get_size(self._ctx, self._seq[src]))
+        ctx = self._live()
+        size = int(self._lib.llama_state_seq_get_size(ctx, self._seq[src]))
         data = (ctypes.c_uint8 * size)()
-        size = int(self._lib.llama_state_seq_get_data(self._ctx, data, size, self._seq[src]))
-        if not self._lib.llama_state_seq_set_data(self._ctx, data, size, self._seq[dst]):
+        size = int(self._lib.llama_state_seq_get_data(ctx, data, size, self._seq[src]))
+        if not self._lib.llama_state_seq_set_data(ctx, data, size, self._seq[dst]):
             self.lengths[dst] = 0
             raise RuntimeError(f"llama.cpp could not copy slot {src}'s cache into slot {dst}")
         self.lengths[dst] = self.lengths[src]
@@ -356,7 +400,8 @@ class LlamaCppModel:
 
     def reset(self, slot: int | None = None) -> None:
         if slot is None:
-            self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
+            if not self.parked:
+                self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
             self.lengths[:] = [0] * self.slots
         else:
             self._remove_from(slot, 0)
