@@ -239,7 +239,7 @@ class LlamaCppModel:
         if n_ctx is None:
             n_ctx = context_size(gguf_metadata(path), available_memory(), slots=slots)
         self._llama = open_llama(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, gpu=device.type == "cuda",
-                              flash_attn=flash_attn)
+                                 flash_attn=flash_attn)
         self._open(llama_cpp, path, device, slots, n_ctx)
 
     def _open(self, llama_cpp, path: str, device: torch.device, slots: int, n_ctx: int) -> None:
