@@ -165,6 +165,9 @@ def test_a_batch_context_parks_the_one_slot_model(llama, prompt):
     assert not llama.parked and llama.lengths == [len(prompt)]
     llama.park()
     assert _plain_llama_cpp(llama.llm, prompt, 4) == reference
+    one = llama.with_slots(1)  # one slot: the Llama's own context again, parked by with_slots and reopened
+    assert torch.equal(one.forward_rows([0], [ids])[0], before)
+    one.reset()
     llama.reset()
 
 

@@ -217,10 +217,14 @@ def eog_ids_of_gguf(path: str) -> list[int]:
 
 
 def _reopen(llama) -> None:
-    """A new, empty context for a Llama whose own was closed (LlamaCppModel.park), with the same parameters."""
+    """A new, empty context for a Llama whose own was closed (LlamaCppModel.park), with the same parameters;
+    ModelError when llama.cpp cannot open it (e.g. out of memory)."""
     from llama_cpp._internals import LlamaContext
 
-    llama._ctx = LlamaContext(model=llama._model, params=llama.context_params, verbose=False)
+    try:
+        llama._ctx = LlamaContext(model=llama._model, params=llama.context_params, verbose=False)
+    except ValueError as exc:
+        raise ModelError(f"llama.cpp cannot reopen the context of {llama.context_params.n_ctx} tokens: {exc}") from exc
     llama.n_tokens = 0
 
 
@@ -258,8 +262,9 @@ class LlamaCppModel:
                 raise ModelError(f"llama.cpp cannot open a context of {slots} sequences x {n_ctx} tokens for "
                                  f"'{path}': {exc}") from exc
         self.vocab_size = int(self._llama.n_vocab())
-        self.max_length = int(self._lib.llama_n_ctx(self._ctx)) // slots
-        self.n_batch = int(self._lib.llama_n_batch(self._ctx))
+        ctx = self._live()
+        self.max_length = int(self._lib.llama_n_ctx(ctx)) // slots
+        self.n_batch = int(self._lib.llama_n_batch(ctx))
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._seq = list(range(slots))  # slot -> its llama.cpp sequence id (swap exchanges them)
         self.lengths = [0] * slots
@@ -275,12 +280,13 @@ class LlamaCppModel:
         share its -c: each sequence holds max_length // slots tokens (a multiple of CONTEXT_STEP, at least one). So
         the batch's KV cache takes this context's memory, and the context llama.cpp sees is the one this model was
         opened with (positional encodings that depend on it stay the same). A one-slot model is parked meanwhile
-        (see park): a server decoding in the batch holds no idle cache of the whole context beside it."""
+        (see park), first, so that the batch's cache can take its memory: a server decoding in the batch holds no
+        idle cache of the whole context beside it."""
         n_ctx = max(CONTEXT_STEP, self.max_length // slots // CONTEXT_STEP * CONTEXT_STEP)
+        self.park()
         model = LlamaCppModel.__new__(LlamaCppModel)
         model._llama = self._llama
         model._open(self._lib, self.path, self.device, slots, n_ctx)
-        self.park()
         return model
 
     def park(self) -> None:
