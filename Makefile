@@ -87,9 +87,14 @@ models:
 # The unit tests run on tiny models, one thread each (in process, and the servers they start: tests/conftest.py),
 # so they run in parallel: one pytest-xdist worker per core (at most 8), a test file per worker at a time (its
 # module fixtures built once); a distribution test decodes its thousands of seeded generations eight at a time
-# (tests/stats_util.py). The integration tests give every core to one real model and run after them, one at a time.
+# (tests/stats_util.py). The integration tests run after them (below).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
 UNIT_TESTS = HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration"
+# The integration tests' files on two workers, each on half the cores (tests/conftest.py pins them): a file's real
+# models load once in its worker, and while one waits on a process start, a load or Python the other computes.
+# Two, not one per core: each worker holds its files' models (the transformers fp32 target alone is 6 GB).
+INTEGRATION_WORKERS ?= $(shell [ $(TEST_WORKERS) -gt 1 ] && echo 2 || echo 0)
+INTEGRATION_TESTS = HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n $(INTEGRATION_WORKERS) --dist loadfile -m integration
 
 # The whole suite: the unit tests, then the integration tests on the real models (both run; either failing
 # fails). The chat page's browser test needs chromium, chromedriver and selenium: installed first where apt
@@ -97,7 +102,7 @@ UNIT_TESTS = HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist l
 test:
 	@$(MAKE) --no-print-directory browser-deps || echo "verispec: browser test dependencies not installed;" \
 	  "tests/apps/test_browser.py will skip" >&2
-	$(UNIT_TESTS); unit=$$?; HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -m integration; integration=$$?; \
+	$(UNIT_TESTS); unit=$$?; $(INTEGRATION_TESTS); integration=$$?; \
 	  [ $$unit -eq 0 ] && [ $$integration -eq 0 ]
 
 # chromium + chromedriver (apt) and selenium (pip), each only when missing.

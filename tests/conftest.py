@@ -1,8 +1,24 @@
 import os
 import sys
 
-import pytest
-import torch
+
+CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []  # the run's, before pinning
+
+
+def _pin_worker() -> None:
+    """A pytest-xdist worker runs on its own share of the CPUs (worker i of n: every n-th CPU from the i-th), set
+    before torch loads: its torch threads, llama.cpp's threads and the processes it starts (which inherit the
+    mask) stay there instead of spinning against the other workers' threads on every core. Only where each worker
+    gets a CPU of its own."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and count.isdigit() and 1 < int(count) <= len(CPUS):
+        os.sched_setaffinity(0, CPUS[int(worker[2:]) :: int(count)])
+
+
+_pin_worker()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -25,7 +41,23 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Tiny in-process models run on one thread: their kernels are smaller than OpenMP's fork-join, which
-    costs ~10x more when another process holds the other core. Tests on real models get every core."""
+    costs ~10x more when another process holds the other core. Tests on real models get every core their worker
+    has."""
     torch.set_num_threads(ALL_THREADS if request.node.get_closest_marker("integration") else 1)
     yield
     torch.set_num_threads(ALL_THREADS)
+
+
+@pytest.fixture
+def every_cpu():
+    """The test's own thread on every CPU of the run, not its worker's share, while it runs: for tests whose child
+    processes (which inherit that mask) must run several threads."""
+    if not CPUS:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)

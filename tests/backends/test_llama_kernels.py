@@ -24,6 +24,10 @@ from verispec.assembly.specs import TargetSpec
 from verispec.catalog import DEFAULT_TARGET
 from verispec.names.errors import ModelError, SpecError
 
+# the child processes run on every CPU, whatever share the test's worker has: one-token attention splits a long
+# context across threads (the switches these tests check), which needs two threads or more
+pytestmark = pytest.mark.usefixtures("every_cpu")
+
 VERISPEC_BUILD = ("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | VERISPEC_BUILD = 0123abcd | "
                   "VERISPEC_MULTICOL = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
 AVX2_BUILD = ("CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 | VERISPEC_BUILD = 0123abcd | VERISPEC_MULTICOL = AVX2 | "
