@@ -273,7 +273,8 @@ def test_bad_arguments(pair):
 
 
 def _exact_marginals(model, prompt: list[int], params: SamplingParams, steps: int) -> list[torch.Tensor]:
-    """Marginal distribution of each of the first `steps` tokens under plain sampling, by enumeration."""
+    """Marginal distribution of each of the first `steps` tokens under plain sampling, by enumeration (every
+    sequence of a step a row of one forward); penalties see each sequence's own presence and counts."""
     from verispec.core.sampling import probs_from_logits
 
     V = model.config.vocab_size
@@ -283,7 +284,13 @@ def _exact_marginals(model, prompt: list[int], params: SamplingParams, steps: in
     for _ in range(steps):
         with torch.no_grad():
             logits = model(input_ids=seqs).logits[:, -1]  # [S, V]
-        probs = probs_from_logits(logits, params).double()  # [S, V]
+        presence = counts = None
+        if params.penalised or params.counted:
+            generated = seqs[:, len(prompt):]
+            presence = torch.zeros(len(seqs), V, dtype=torch.bool).scatter_(1, seqs, True)
+            counts = torch.zeros(len(seqs), V, dtype=torch.int32).scatter_add_(
+                1, generated, torch.ones_like(generated, dtype=torch.int32))
+        probs = probs_from_logits(logits, params, presence, counts).double()  # [S, V]; rows are sequences
         joint = weights[:, None] * probs
         marginals.append(joint.sum(0))
         seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)

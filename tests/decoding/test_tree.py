@@ -240,38 +240,11 @@ def test_tree_marginals_match_target(small_vocab_pair, params):
     N = 3000; false-failure probability 5 x ALPHA). Every accepted length 0..3 occurs (0..2 under top-p)."""
     target, draft = small_vocab_pair
     steps = 5
-    exact = _exact_marginals(target, [3, 1, 2], params, steps) if not params.penalised and not params.counted \
-        else _penalised_marginals(target, [3, 1, 2], params, steps)
+    exact = _exact_marginals(target, [3, 1, 2], params, steps)
     counts, depths = _tree_histograms(target, draft, params, n=3000, steps=steps, seed0=0)
     assert depths >= ({0, 1, 2, 3} if params.top_p == 1.0 else {0, 1, 2})  # top-p: fewer candidates survive
     for pos in range(steps):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
-
-
-def _penalised_marginals(model, prompt, params, steps):
-    """As _exact_marginals, with the penalties' per-sequence presence and counts (enumerated sequences)."""
-    from verispec.core.sampling import probs_from_logits, token_counts
-
-    V = model.config.vocab_size
-    seqs, weights, marginals = [prompt], [1.0], []
-    for _ in range(steps):
-        joint = torch.zeros(V, dtype=torch.float64)
-        nxt_seqs, nxt_weights = [], []
-        for s, w in zip(seqs, weights):
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([s])).logits[:, -1]
-            presence = torch.zeros(V, dtype=torch.bool)
-            presence[torch.tensor(s)] = True
-            counts = token_counts(torch.tensor(s[len(prompt):], dtype=torch.long), V)[None]
-            probs = probs_from_logits(logits, params, presence, counts, len(s) - len(prompt))[0].double()
-            joint += w * probs
-            for t in range(V):
-                if probs[t] > 0:
-                    nxt_seqs.append(s + [t])
-                    nxt_weights.append(w * float(probs[t]))
-        marginals.append(joint)
-        seqs, weights = nxt_seqs, nxt_weights
-    return marginals
 
 
 def test_tree_negative_control_fails(small_vocab_pair, monkeypatch):
