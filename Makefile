@@ -85,9 +85,9 @@ models:
 	$(PYTHON) -m verispec.apps.cli models pull
 
 # The unit tests run on tiny models, one thread each (in process, and the servers they start: tests/conftest.py),
-# so they run in parallel: one pytest-xdist worker per core (at most 8), a test file per worker at a time (its
-# module fixtures built once); a distribution test decodes its thousands of seeded generations eight at a time
-# (tests/stats_util.py). The integration tests run after them (below).
+# so they run in parallel: one pytest-xdist worker per core (at most 8; each pinned to its core), a test file per
+# worker at a time (its module fixtures built once); a distribution test decodes its thousands of seeded
+# generations eight at a time (tests/stats_util.py). The integration tests run after them (below).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
 UNIT_TESTS = HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration"
 # The integration tests' files on two workers, each on half the cores (tests/conftest.py pins them): a file's real

@@ -12,7 +12,8 @@ def _pin_worker() -> None:
     gets a CPU of its own."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if worker.startswith("gw") and count.isdigit() and 1 < int(count) <= len(CPUS):
-        os.sched_setaffinity(0, CPUS[int(worker[2:]) :: int(count)])
+        n = int(count)  # a worker restarted after a crash is numbered past n: it takes the share its number maps to
+        os.sched_setaffinity(0, CPUS[int(worker[2:]) % n :: n])
 
 
 _pin_worker()

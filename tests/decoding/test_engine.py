@@ -277,6 +277,7 @@ def _exact_marginals(model, prompt: list[int], params: SamplingParams, steps: in
     sequence of a step a row of one forward); penalties see each sequence's own presence and counts."""
     from verispec.core.sampling import probs_from_logits
 
+    assert not params.min_tokens, "rows here are sequences, not positions: min_tokens would mask rows"
     V = model.config.vocab_size
     seqs = torch.tensor([prompt])  # [S, L]
     weights = torch.ones(1, dtype=torch.float64)
