@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from stats_util import chi2_pvalue, generation_histograms, seeded_results
@@ -274,24 +276,27 @@ def test_bad_arguments(pair):
 
 def _exact_marginals(model, prompt: list[int], params: SamplingParams, steps: int) -> list[torch.Tensor]:
     """Marginal distribution of each of the first `steps` tokens under plain sampling, by enumeration (every
-    sequence of a step a row of one forward); penalties see each sequence's own presence and counts."""
+    sequence of a step a row of one forward); penalties see each sequence's own presence and counts, min_tokens
+    masks the stop ids at the first positions."""
     from verispec.core.sampling import probs_from_logits
 
-    assert not params.min_tokens, "rows here are sequences, not positions: min_tokens would mask rows"
     V = model.config.vocab_size
     seqs = torch.tensor([prompt])  # [S, L]
     weights = torch.ones(1, dtype=torch.float64)
     marginals = []
-    for _ in range(steps):
+    unmasked = replace(params, min_tokens=0)  # the rows are sequences, all at one position: masked here, not by row
+    for step in range(steps):
         with torch.no_grad():
-            logits = model(input_ids=seqs).logits[:, -1]  # [S, V]
+            logits = model(input_ids=seqs).logits[:, -1].float()  # [S, V]
+        if params.masks_stops(step):
+            logits = logits.index_fill(1, torch.tensor(params.stop_ids), float("-inf"))
         presence = counts = None
         if params.penalised or params.counted:
             generated = seqs[:, len(prompt):]
             presence = torch.zeros(len(seqs), V, dtype=torch.bool).scatter_(1, seqs, True)
             counts = torch.zeros(len(seqs), V, dtype=torch.int32).scatter_add_(
                 1, generated, torch.ones_like(generated, dtype=torch.int32))
-        probs = probs_from_logits(logits, params, presence, counts).double()  # [S, V]; rows are sequences
+        probs = probs_from_logits(logits, unmasked, presence, counts).double()  # [S, V]
         joint = weights[:, None] * probs
         marginals.append(joint.sum(0))
         seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)

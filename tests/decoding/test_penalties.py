@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from stats_util import chi2_pvalue, generation_histograms
+from test_engine import _exact_marginals
 from tiny import make_engine, perturbed, tiny_qwen2
 
 from verispec import SamplingParams
@@ -112,27 +113,6 @@ def test_logprobs_are_the_target_processed_distribution(pair):
         ids.append(token)
 
 
-def _exact_marginals(model, params: SamplingParams, steps: int) -> list[torch.Tensor]:
-    """Marginal distribution of each of the first `steps` tokens under plain sampling with count
-    penalties, by enumerating every sequence (each row's counts are those of its own generated tokens)."""
-    V = model.config.vocab_size
-    seqs = torch.tensor([PROMPT])  # [S, L]
-    weights = torch.ones(1, dtype=torch.float64)
-    marginals = []
-    for step in range(steps):
-        with torch.no_grad():
-            logits = model(input_ids=seqs).logits[:, -1]  # [S, V]
-        generated = seqs[:, len(PROMPT):]
-        counts = torch.stack([token_counts(g, V) for g in generated]) if step else torch.zeros(len(seqs), V)
-        probs = torch.cat([probs_from_logits(logits[j : j + 1], params, counts=counts[j], position=step)
-                           for j in range(len(seqs))]).double()  # [S, V]; rows are sequences, not positions
-        joint = weights[:, None] * probs
-        marginals.append(joint.sum(0))
-        seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)
-        weights = joint.reshape(-1)
-    return marginals
-
-
 def _loop_histograms(target, draft, params: SamplingParams, steps: int, n: int) -> torch.Tensor:
     eng = make_engine(target, draft, k=2, slots=8)
     return generation_histograms(eng, PROMPT, params, n, steps, target.config.vocab_size)[0]
@@ -182,7 +162,7 @@ def test_penalised_loop_marginals_match_target(small_vocab_pair, params, n):
     only) follow the target's exact marginals. V = 8, N = 2000 generations: detects TV >= ~0.06 (N = 1000 under
     the negative control's strong penalties); false-failure probability 4 positions x ALPHA = 4e-4 each."""
     target, draft = small_vocab_pair
-    exact = _exact_marginals(target, params, 4)
+    exact = _exact_marginals(target, PROMPT, params, 4)
     counts = _loop_histograms(target, draft, params, 4, n)
     for pos in range(4):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
@@ -194,6 +174,6 @@ def test_penalised_loop_negative_control(small_vocab_pair, monkeypatch):
 
     monkeypatch.setattr("verispec.core.rows.count_rows", lambda c, tokens, paths=None: c.unsqueeze(0).repeat(tokens.numel() + 1, 1))
     target, draft = small_vocab_pair
-    exact = _exact_marginals(target, STRONG, 4)  # token 1 from the prefill, tokens 2-3 drafted
+    exact = _exact_marginals(target, PROMPT, STRONG, 4)  # token 1 from the prefill, tokens 2-3 drafted
     counts = _loop_histograms(target, draft, STRONG, 4, 1000)  # p ~1e-15 at this N (position 3)
     assert min(chi2_pvalue(counts[pos], exact[pos]) for pos in range(4)) < ALPHA

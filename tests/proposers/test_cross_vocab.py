@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 from stats_util import chi2_pvalue, generation_histograms
-from test_engine import ALPHA
-from test_penalties import _exact_marginals as _penalised_marginals
+from test_engine import ALPHA, _exact_marginals
 from tiny import (
     as_model,
     bpe_tokenizer,
@@ -261,14 +260,11 @@ def test_marginals_match_target(small_pair, params, sampled):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
 
 
-def test_penalised_marginals_match_target(small_pair, monkeypatch):
+def test_penalised_marginals_match_target(small_pair):
     """The same with presence and frequency penalties and min_tokens (the draft's q counts the target's tokens)."""
-    import test_penalties
-
-    monkeypatch.setattr(test_penalties, "PROMPT", PROMPT)
     params = SamplingParams(temperature=1.0, presence_penalty=1.2, frequency_penalty=0.8, min_tokens=2,
                             stop_ids=(0, 5))
-    exact = _penalised_marginals(small_pair[0], params, 4)
+    exact = _exact_marginals(small_pair[0], PROMPT, params, 4)
     counts, _ = _histograms(small_pair, params, 1500, 4, "auto")
     for pos in range(4):
         assert chi2_pvalue(counts[pos], exact[pos]) > ALPHA, pos
