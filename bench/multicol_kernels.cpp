@@ -1,5 +1,6 @@
 // verispec's multi-column kernels alone, on random blocks: time per call and GMAC/s a core at each width, and a
 // candidate kernel file checked bitwise against the patched one and timed beside it; a table, then one JSON line.
+// Rows "Q8_K": the quantization of the width's activation columns (K values each; the rate in G values/s).
 // Built and run by bench/multicol_kernels.sh (one thread).
 //
 //   multicol_kernels WIDTHS REPEATS K:ROWS...     e.g. 1,9,16,36 5 1536:1024 8960:256 (ROWS a multiple of 8)
@@ -27,6 +28,8 @@ void new_q4(int n, float * dst, size_t dst_stride, const void * vx, const void *
             int ncols);
 void new_q6(int n, float * dst, size_t dst_stride, const void * vx, size_t bx, const void * vy, size_t vy_stride,
             int nrows, int ncols);
+bool ref_quantize(const float * x, void * y, int64_t k);
+bool new_quantize(const float * x, void * y, int64_t k);
 }
 
 static float half_to_float(uint16_t h) {
@@ -101,15 +104,22 @@ static void measure(int K, int R, const std::vector<int> & widths, int repeats, 
     }
     std::vector<float> a((size_t) R * max_w), b((size_t) R * max_w);
     const size_t ys = sizeof(block_q8_K) * nb, x6s = sizeof(block_q6_K) * nb;
+    std::vector<float> act((size_t) K * max_w);  // activations as a layer's output: mostly small, a few outliers
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < act.size(); i++) act[i] = i % 97 == 0 ? 40.0f * normal(rng) : normal(rng);
+    std::vector<block_q8_K> qa((size_t) nb * max_w), qb((size_t) nb * max_w);
     for (int w : widths) {
-        for (int q6 = 0; q6 < 2; q6++) {
+        for (int kind = 0; kind < 3; kind++) {  // Q4_K, Q6_K, Q8_K (quantization)
             auto run = [&](bool patched, float * dst) {
-                if (q6) (patched ? ref_q6 : new_q6)(K, dst, R, x6.data(), x6s, y.data(), ys, R, w);
+                if (kind == 2) (patched ? ref_quantize : new_quantize)(act.data(), (patched ? qa : qb).data(),
+                                                                         (int64_t) K * w);
+                else if (kind == 1) (patched ? ref_q6 : new_q6)(K, dst, R, x6.data(), x6s, y.data(), ys, R, w);
                 else (patched ? ref_q4 : new_q4)(K, dst, R, x4.data(), y.data(), ys, R, w);
             };
             run(true, a.data());
             run(false, b.data());
-            const bool same = !memcmp(a.data(), b.data(), sizeof(float) * (size_t) R * w);
+            const bool same = kind == 2 ? !memcmp(qa.data(), qb.data(), sizeof(block_q8_K) * (size_t) nb * w)
+                                        : !memcmp(a.data(), b.data(), sizeof(float) * (size_t) R * w);
             double t_ref = 1e30, t_new = 1e30;
             for (int r = 0; r < repeats; r++) {  // the two take turns
                 const double tr = best_of(1, [&] { run(true, a.data()); });
@@ -117,8 +127,8 @@ static void measure(int K, int R, const std::vector<int> & widths, int repeats, 
                 t_ref = tr < t_ref ? tr : t_ref;
                 t_new = tn < t_new ? tn : t_new;
             }
-            const double macs = (double) K * R * w;
-            const char * type = q6 ? "Q6_K" : "Q4_K";
+            const double macs = kind == 2 ? (double) K * w : (double) K * R * w;
+            const char * type = kind == 2 ? "Q8_K" : kind == 1 ? "Q6_K" : "Q4_K";
             printf("%-5s %-5d %-5d %-6d %10.3f  %6.0f  %12.3f  %6.0f  %17.3f  %s\n", type, K, R, w, t_ref * 1e3,
                    macs / t_ref / 1e9, t_new * 1e3, macs / t_new / 1e9, t_new / t_ref, same ? "identical" : "DIFFER");
             char row[256];

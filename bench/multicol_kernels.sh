@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # verispec's multi-column kernels (native/llama.cpp-kernels.patch) alone, one thread, on random weight blocks of
-# the default target's shapes: per width, milliseconds a call and GMAC/s a core, for repacked Q4_K and for Q6_K.
+# the default target's shapes: per width, milliseconds a call and GMAC/s a core, for repacked Q4_K and for Q6_K,
+# and for quantizing the width's activations to Q8_K (G values/s).
 # CANDIDATE=path/to/multicol.cpp compiles that file as the candidate: checked bitwise against the patched
 # kernels at every width and timed beside them, the two taking turns (default: the patched file against itself).
 #
@@ -29,7 +30,7 @@ compile() {  # $1 source, $2 prefix for the kernels' names, $3 object
     g++ "${flags[@]}" -Dggml_multicol_q4_K_8x8_q8_K="$2_q4" -Dggml_multicol_q6_K_q8_K="$2_q6" \
         -Dggml_verispec_build="$2_build" -Dggml_multicol_wanted="$2_wanted" -Dggml_multicol_available="$2_available" \
         -Dggml_multicol_isa="$2_isa" -Dggml_fa_tiled_enabled="$2_fa_tiled" -Dggml_batch_invariant="$2_invariant" \
-        -Dggml_fa_split_kv_enabled="$2_split_kv" -c "$1" -o "$3"
+        -Dggml_fa_split_kv_enabled="$2_split_kv" -Dggml_multicol_quantize_q8_K="$2_quantize" -c "$1" -o "$3"
 }
 compile "$src/ggml/src/ggml-cpu/multicol.cpp" ref "$work/ref.o"
 compile "${candidate:-$src/ggml/src/ggml-cpu/multicol.cpp}" new "$work/new.o"
