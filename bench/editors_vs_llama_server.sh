@@ -122,13 +122,12 @@ for c in sorted({c for _, c in keys}):
                        rss_before=f["rss_before"], rss_after=f["rss_after"])
         row["repeats"] = max(len(es), len(fs))
         rows.append(row)
-        mib = lambda v: "-" if v is None else f"{v / 2**20:.0f}"
+        rss = "-" if row.get("rss_before") is None else f"{row['rss_before'] / 2**20:.0f}->{row['rss_after'] / 2**20:.0f}"
         print(f"{name:10} {c:>7} | {fmt(row.get('edits_tokens_per_second'), '{:.2f}'):>11} "
               f"{fmt(row.get('edits_request_tokens_per_second'), '{:.2f}'):>9} {row.get('edits_as_plain') or '-':>8} | "
               f"{fmt(row.get('fim_latency_median'), '{:.3f}s'):>10} {fmt(row.get('fim_latency_p90'), '{:.2f}s'):>7} "
               f"{fmt(row.get('fim_first_line'), '{:.0%}'):>8} {row.get('fim_as_plain') or '-':>8} "
-              f"{fmt(row.get('fim_errors'), '{}'):>6} "
-              f"{mib(row.get('rss_before')) + '->' + mib(row.get('rss_after')):>11} | {row['repeats']:>7}")
+              f"{fmt(row.get('fim_errors'), '{}'):>6} {rss:>11} | {row['repeats']:>7}")
 
 
 def per_repeat(workload, a, b, value):
