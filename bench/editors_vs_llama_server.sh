@@ -12,12 +12,13 @@
 #              STEPS (default 6) requests each, every second one cancelled, N_PREDICT (default 32) tokens
 # each at CLIENTS (default "1 4") clients at once (edits: requests in flight; fim: editors typing), each phase on a
 # fresh server; WORKLOADS (default "edits fim") picks some. REPEATS=N (default 1) runs every phase N times, the
-# servers' order reversed every other time so that the machine's drift falls on all of them alike; each number in
-# the table is the median over the repeats and each ratio the median of the repeats' ratios (all of them printed).
-# Prints a table (edits: aggregate tok/s, median request tok/s; fim: median and p90 latency, first lines right,
-# errors, resident memory before and after; the answers equal to llama-server plain's at the same clients, first
-# repeat) and one JSON line; the reports land in out/editors_vs_llama_server/ (a run replaces the reports of the
-# servers and clients it measures). KERNELS as bench/llama_server.sh.
+# servers' order reversed every other time so that the machine's drift falls on all of them alike; the speeds and
+# latencies in the table are medians over the repeats, failures and errors their sums, and each ratio the median
+# of the repeats' ratios (all of them printed). Prints a table (edits: aggregate tok/s, median request tok/s; fim:
+# median and p90 latency, first lines right, errors, resident memory before and after; first lines, memory and the
+# answers equal to llama-server plain's at the same clients from the first repeat) and one JSON line; the reports
+# land in out/editors_vs_llama_server/ (a run replaces those of the servers, clients and workloads it measures;
+# the others stay and are read with it). KERNELS as bench/llama_server.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python}"
@@ -49,7 +50,9 @@ start() {  # server name
 read -r -a servers <<< "${SERVERS:-plain ngram-mod draft verispec}"
 for c in ${CLIENTS:-1 4}; do
     for name in "${servers[@]}"; do
-        rm -f "$out/edits-$name-c$c"-r*.json "$out/fim-$name-c$c"-r*.json
+        for workload in ${WORKLOADS:-edits fim}; do
+            rm -f "$out/$workload-$name-c$c"-r*.json
+        done
     done
 done
 for r in $(seq "${REPEATS:-1}"); do
@@ -85,7 +88,12 @@ for path in glob.glob(os.path.join(out, "*.json")):
     m = re.fullmatch(r"(edits|fim)-(.+)-c(\d+)-r(\d+)\.json", os.path.basename(path))
     if m:
         reports.setdefault((m[1], m[2], int(m[3])), {})[int(m[4])] = json.load(open(path))
-median = lambda values: statistics.median(values) if values else None
+def median(values):
+    """The median of the values measured (a phase where nothing completed has none), or None."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 first = lambda runs: runs[min(runs)] if runs else None
 order = ["plain", "ngram-mod", "draft", "verispec"]
 fmt = lambda v, p: "-" if v is None else p.format(v)
@@ -122,7 +130,8 @@ for c in sorted({c for _, c in keys}):
                        rss_before=f["rss_before"], rss_after=f["rss_after"])
         row["repeats"] = max(len(es), len(fs))
         rows.append(row)
-        rss = "-" if row.get("rss_before") is None else f"{row['rss_before'] / 2**20:.0f}->{row['rss_after'] / 2**20:.0f}"
+        mib = lambda v: "-" if v is None else f"{v / 2**20:.0f}"
+        rss = "-" if f is None else f"{mib(row['rss_before'])}->{mib(row['rss_after'])}"
         print(f"{name:10} {c:>7} | {fmt(row.get('edits_tokens_per_second'), '{:.2f}'):>11} "
               f"{fmt(row.get('edits_request_tokens_per_second'), '{:.2f}'):>9} {row.get('edits_as_plain') or '-':>8} | "
               f"{fmt(row.get('fim_latency_median'), '{:.3f}s'):>10} {fmt(row.get('fim_latency_p90'), '{:.2f}s'):>7} "
@@ -131,9 +140,9 @@ for c in sorted({c for _, c in keys}):
 
 
 def per_repeat(workload, a, b, value):
-    """value(a's report) / value(b's) for each repeat in which both were measured."""
+    """value(a's report) / value(b's) for each repeat in which both were measured (and are not None or 0)."""
     ra, rb = reports.get((workload, *a), {}), reports.get((workload, *b), {})
-    return [value(ra[r]) / value(rb[r]) for r in sorted(ra) if r in rb]
+    return [value(ra[r]) / value(rb[r]) for r in sorted(ra) if r in rb and value(ra[r]) and value(rb[r])]
 
 
 each = {}

@@ -1,10 +1,15 @@
 // verispec's multi-column kernels alone, on random blocks: time per call and GMAC/s a core at each width, and a
 // candidate kernel file checked bitwise against the patched one and timed beside it; a table, then one JSON line.
-// Rows "Q8_K": the quantization of the width's activation columns (K values each; the rate in G values/s).
+// Rows "Q8_K": the quantization of the width's activation columns (K values each; the rate in G values/s), the
+// candidate's against the patched file's (both vectorized; tests/backends/test_llama_kernels.py checks the patched
+// one against ggml's reference through a model's logits). A zero block, a tie for the largest magnitude, a NaN and
+// an infinity are among the columns.
 // Built and run by bench/multicol_kernels.sh (one thread).
 //
 //   multicol_kernels WIDTHS REPEATS K:ROWS...     e.g. 1,9,16,36 5 1536:1024 8960:256 (ROWS a multiple of 8)
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -107,18 +112,29 @@ static void measure(int K, int R, const std::vector<int> & widths, int repeats, 
     std::vector<float> act((size_t) K * max_w);  // activations as a layer's output: mostly small, a few outliers
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (size_t i = 0; i < act.size(); i++) act[i] = i % 97 == 0 ? 40.0f * normal(rng) : normal(rng);
+    if (nb * max_w >= 4) {  // blocks 0-3: zeros; +-50 tied for the largest (- first); a NaN; an infinity
+        std::fill(act.begin(), act.begin() + QK_K, 0.0f);
+        act[QK_K + 7] = -50.0f, act[QK_K + 200] = 50.0f;
+        act[2 * QK_K + 3] = NAN;
+        act[3 * QK_K + 100] = INFINITY;
+    }
     std::vector<block_q8_K> qa((size_t) nb * max_w), qb((size_t) nb * max_w);
     for (int w : widths) {
         for (int kind = 0; kind < 3; kind++) {  // Q4_K, Q6_K, Q8_K (quantization)
+            bool quantized = true;  // false: a quantizer declined (its kernels off), the Q8_K row means nothing
             auto run = [&](bool patched, float * dst) {
-                if (kind == 2) (patched ? ref_quantize : new_quantize)(act.data(), (patched ? qa : qb).data(),
-                                                                         (int64_t) K * w);
-                else if (kind == 1) (patched ? ref_q6 : new_q6)(K, dst, R, x6.data(), x6s, y.data(), ys, R, w);
-                else (patched ? ref_q4 : new_q4)(K, dst, R, x4.data(), y.data(), ys, R, w);
+                if (kind == 2) {
+                    auto quantize = patched ? ref_quantize : new_quantize;
+                    quantized &= quantize(act.data(), (patched ? qa : qb).data(), (int64_t) K * w);
+                } else if (kind == 1) {
+                    (patched ? ref_q6 : new_q6)(K, dst, R, x6.data(), x6s, y.data(), ys, R, w);
+                } else {
+                    (patched ? ref_q4 : new_q4)(K, dst, R, x4.data(), y.data(), ys, R, w);
+                }
             };
             run(true, a.data());
             run(false, b.data());
-            const bool same = kind == 2 ? !memcmp(qa.data(), qb.data(), sizeof(block_q8_K) * (size_t) nb * w)
+            const bool same = kind == 2 ? quantized && !memcmp(qa.data(), qb.data(), sizeof(block_q8_K) * nb * w)
                                         : !memcmp(a.data(), b.data(), sizeof(float) * (size_t) R * w);
             double t_ref = 1e30, t_new = 1e30;
             for (int r = 0; r < repeats; r++) {  // the two take turns

@@ -3,7 +3,8 @@
 # the default target's shapes: per width, milliseconds a call and GMAC/s a core, for repacked Q4_K and for Q6_K,
 # and for quantizing the width's activations to Q8_K (G values/s).
 # CANDIDATE=path/to/multicol.cpp compiles that file as the candidate: checked bitwise against the patched
-# kernels at every width and timed beside them, the two taking turns (default: the patched file against itself).
+# kernels at every width and timed beside them, the two taking turns (default: the patched file against itself);
+# the candidate defines every function multicol.h declares.
 #
 #   bash bench/multicol_kernels.sh                 # widths 1,2,5,9,16,24,36,64 (WIDTHS), 5 repeats (REPEATS)
 #   CANDIDATE=/tmp/multicol.cpp bash bench/multicol_kernels.sh
