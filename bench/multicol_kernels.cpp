@@ -146,7 +146,8 @@ static void measure(int K, int R, const std::vector<int> & widths, int repeats, 
             const double macs = kind == 2 ? (double) K * w : (double) K * R * w;
             const char * type = kind == 2 ? "Q8_K" : kind == 1 ? "Q6_K" : "Q4_K";
             printf("%-5s %-5d %-5d %-6d %10.3f  %6.0f  %12.3f  %6.0f  %17.3f  %s\n", type, K, R, w, t_ref * 1e3,
-                   macs / t_ref / 1e9, t_new * 1e3, macs / t_new / 1e9, t_new / t_ref, same ? "identical" : "DIFFER");
+                   macs / t_ref / 1e9, t_new * 1e3, macs / t_new / 1e9, t_new / t_ref,
+                   !quantized ? "off" : same ? "identical" : "DIFFER");
             char row[256];
             snprintf(row, sizeof row,
                      "%s{\"type\": \"%s\", \"k\": %d, \"rows\": %d, \"width\": %d, \"patched_ms\": %.4f, "
