@@ -112,9 +112,10 @@ static void measure(int K, int R, const std::vector<int> & widths, int repeats, 
     std::vector<float> act((size_t) K * max_w);  // activations as a layer's output: mostly small, a few outliers
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (size_t i = 0; i < act.size(); i++) act[i] = i % 97 == 0 ? 40.0f * normal(rng) : normal(rng);
-    if (nb * max_w >= 4) {  // blocks 0-3: zeros; +-50 tied for the largest (- first); a NaN; an infinity
+    if (nb * max_w >= 4) {  // blocks 0-3: zeros; +-1000 tied for the largest (- first); a NaN; an infinity
         std::fill(act.begin(), act.begin() + QK_K, 0.0f);
-        act[QK_K + 7] = -50.0f, act[QK_K + 200] = 50.0f;
+        act[QK_K + 7] = -1000.0f;
+        act[QK_K + 200] = 1000.0f;
         act[2 * QK_K + 3] = NAN;
         act[3 * QK_K + 100] = INFINITY;
     }
