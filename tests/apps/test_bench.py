@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -637,6 +638,28 @@ def test_bench_measures_what_generate_runs_unless_told(monkeypatch, pair_dirs, t
     got_drafters, got_k, got_draft, note = _generate_defaults(args)
     assert (got_drafters, got_k, got_draft) == want and backend in note and f"-k {want[1]}" in note
     assert (f"--draft {want[2]}" in note) == (want[2] is not None)
+
+
+@pytest.mark.parametrize("target, drafters, want", [
+    ("mine", None, "6"),  # the backend's default drafter, unnamed: its own k
+    ("mine", "suffix", "auto"),  # the same drafter named: default_k, as build decides
+    (None, None, "6"),  # the default target's pair
+])
+def test_bench_takes_the_k_build_would(monkeypatch, pair_dirs, tmp_path, target, drafters, want):
+    """Where DEFAULTS' k and default_k differ, `verispec bench` reports and measures the k build gives."""
+    import argparse
+
+    import verispec.assembly.resolve as resolve
+    from verispec.apps.cli.bench import _generate_defaults
+    from verispec.names.k import DEFAULTS
+
+    monkeypatch.setitem(DEFAULTS, "llamacpp", dataclasses.replace(DEFAULTS["llamacpp"], k=6))
+    monkeypatch.setattr(resolve, "resolve_target_backend", lambda spec: ("llamacpp", "asked"))
+    monkeypatch.setattr(resolve, "installed", lambda name: tmp_path)
+    args = argparse.Namespace(drafters=drafters, num_draft_tokens=None, draft_backend="auto",
+                              target=pair_dirs[0] if target == "mine" else target, draft=None, pull=False,
+                              backend="auto", device="cpu", dtype="fp32", ctx_size=None, exact_kernels=False)
+    assert _generate_defaults(args)[1] == want
 
 
 def test_builtin_infills_are_left_out_for_a_target_without_fim_tokens(pair_dirs, tmp_path, capsys):

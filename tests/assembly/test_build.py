@@ -18,7 +18,7 @@ from verispec.assembly.store import ModelStore
 from verispec.backends.gguf import CONTEXT_STEP, context_size, kv_bytes_per_token
 from verispec.catalog.gguf import gguf_metadata
 from verispec.names.errors import SpecError
-from verispec.names.k import default_k
+from verispec.names.k import DEFAULTS, default_k, unasked_k
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,23 @@ def test_choose_draft_quant_and_default_k():
     assert choose_draft_quant("int8", "hf", cuda) == "int8"
     assert default_k("hf", "hf") == 4 and default_k("hf", None) == 4
     assert default_k("llamacpp", None) == "auto" and default_k("hf", "llamacpp") == "auto"
+
+
+@pytest.mark.parametrize("backend, drafter, model, draft_backend, named, want", [
+    ("llamacpp", None, None, None, False, 0),  # no drafter: plain decoding
+    ("hf", "tree", "d", "hf", True, "auto"),
+    ("llamacpp", "suffix", None, None, False, 6),  # the backend's default drafter, unnamed: DEFAULTS' k
+    ("llamacpp", "suffix", None, None, True, "auto"),  # named: default_k
+    ("llamacpp", "hybrid-suffix", "smollm2-135m-instruct", "llamacpp", True, 6),  # the backend's own pair
+    ("llamacpp", "hybrid-suffix", "other", "llamacpp", True, "auto"),
+    ("llamacpp", "suffix", None, "hf", False, "auto"),  # a draft on another backend
+    ("hf", "model", "d", "hf", False, 4),
+])
+def test_the_k_a_request_gets_unasked(monkeypatch, backend, drafter, model, draft_backend, named, want):
+    """One rule (names.k.unasked_k), read by build and by `verispec bench`; DEFAULTS' k set apart from default_k's
+    here, so that a caller taking one for the other shows."""
+    monkeypatch.setitem(DEFAULTS, "llamacpp", dataclasses.replace(DEFAULTS["llamacpp"], k=6))
+    assert unasked_k(backend, drafter, model, draft_backend, named) == want
 
 
 def test_k_is_checked():

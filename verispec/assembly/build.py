@@ -32,7 +32,7 @@ from verispec.core.infill import TokenPieces
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.names.drafters import BACKEND_NAMES
 from verispec.names.errors import SpecError
-from verispec.names.k import DEFAULTS, K_MAX, default_k
+from verispec.names.k import K_MAX, own_default, unasked_k
 from verispec.pipeline.pipeline import Pipeline
 
 
@@ -69,14 +69,13 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     draft_backend = draft.backend if has_model else None
     if dtype_auto and "hf" in (target.backend, draft_backend):  # a model loaded through transformers
         reason += "; " + choose_dtype(device)[1]
-    defaults = DEFAULTS.get(target.backend)
-    own_pair = draft is not None and defaults is not None and draft_backend in (None, target.backend) and (
-        default_pair and draft.drafter == defaults.drafter
-        or draft.drafter == defaults.pair_drafter and draft.model == defaults.draft)  # the backend's own pair
-    if k is None and own_pair:
-        k = defaults.k
-        name = BACKEND_NAMES.get(target.backend, target.backend)
-        reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
+    drafter_name, draft_ref = (draft.drafter, draft.model) if draft is not None else (None, None)
+    if k is None:
+        k = unasked_k(target.backend, drafter_name, draft_ref, draft_backend, named=not default_pair)
+        if draft is not None and own_default(target.backend, drafter_name, draft_ref, draft_backend,
+                                             named=not default_pair):
+            name = BACKEND_NAMES.get(target.backend, target.backend)
+            reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
     check_exact_kernels(target, k)
     tree = draft is not None and draft.drafter == "tree"
     if tree and "llamacpp" in (target.backend, draft_backend):
@@ -115,8 +114,6 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     drafter = None if draft is None else DRAFTERS[draft.drafter].make(draft_model, vocab, 1)
     end = eog_token_ids(tokenizer) if target.tokenizer is not None else store.end_tokens(target.model)
     eos = sorted({*eos, *end})
-    if k is None:
-        k = "auto" if tree else default_k(target.backend, draft_backend) if draft is not None else 0
     policy = None if draft is None else DRAFTERS[draft.drafter].auto_policy(k_max)
     engine = SpeculativeEngine(target_model, drafter, eos, k, auto_policy=policy,
                                max_length=None if draft_model is None or cross else draft_model.max_length,

@@ -35,7 +35,7 @@ from verispec.apps.cli.bench_endpoints import cmd_bench_endpoints
 from verispec.apps.cli.errors import one_line, require_extra
 from verispec.names.drafters import DRAFTER_NAMES
 from verispec.names.errors import ModelError
-from verispec.names.k import backend_defaults, default_drafter, default_k, parse_k
+from verispec.names.k import default_drafter, parse_k, unasked_k
 from verispec.names.options import BENCH_MAX_NEW_TOKENS
 
 
@@ -131,7 +131,7 @@ def _k_list(text: str, flag: str = "--num-draft-tokens") -> list[int | str]:
 def _generate_defaults(args) -> tuple[str, str, str | None, str | None]:
     """(--drafters, -k, --draft, a note saying where they came from), each where not given what `generate` runs on
     the target's backend: that backend's default drafter, or its own pair with the default target (the pair's draft
-    then returned), and its k (verispec.names.k.DEFAULTS), or for another drafter the default k of the backends."""
+    then returned), and the k build would choose (verispec.names.k.unasked_k)."""
     if args.drafters is not None and args.num_draft_tokens is not None:
         return args.drafters, args.num_draft_tokens, args.draft, None
     from verispec.assembly.resolve import default_refs, resolve_target_backend
@@ -141,15 +141,13 @@ def _generate_defaults(args) -> tuple[str, str, str | None, str | None]:
         target, draft, drafter = default_refs(args.target, args.draft, "auto" if args.drafters is None else None,
                                               args.pull, args.backend, args.device)
         backend, _ = resolve_target_backend(TargetSpec(target, args.backend, args.device))
-    own = backend_defaults(backend)
     pair = drafter not in (None, "auto")  # the default target's own pair
     drafters = args.drafters
     if drafters is None:
         drafters = drafter if pair else default_drafter(backend, args.draft is not None)
     draft_backend = None if args.draft_backend == "auto" else args.draft_backend
-    own_k = pair or drafters == own.drafter and draft_backend in (None, backend)  # as build decides
-    k = args.num_draft_tokens or str(own.k if own_k else default_k(backend, draft_backend))
     draft = draft if pair else args.draft
+    k = args.num_draft_tokens or str(unasked_k(backend, drafters, draft, draft_backend, args.drafters is not None))
     told = f"--drafters {drafters}" + (f" --draft {draft}" if pair else "") + f" -k {k}"
     return drafters, k, draft, f"{told}: what `generate` runs on the {backend} backend"
 
