@@ -168,13 +168,16 @@ def test_choose_draft_quant_and_default_k():
     ("llamacpp", "suffix", None, None, True, "auto"),  # named: default_k
     ("llamacpp", "hybrid-suffix", "smollm2-135m-instruct", "llamacpp", True, 6),  # the backend's own pair
     ("llamacpp", "hybrid-suffix", "other", "llamacpp", True, "auto"),
-    ("llamacpp", "suffix", None, "hf", False, "auto"),  # a draft on another backend
-    ("hf", "model", "d", "hf", False, 4),
+    ("llamacpp", "hybrid-suffix", "smollm2-135m-instruct", "hf", True, "auto"),  # the pair's draft elsewhere
+    ("hf", "model", "d", "hf", False, 5),
+    ("hf", "model", "d", "hf", True, 4),
+    ("hf", None, None, None, False, 0),
 ])
 def test_the_k_a_request_gets_unasked(monkeypatch, backend, drafter, model, draft_backend, named, want):
     """One rule (names.k.unasked_k), read by build and by `verispec bench`; DEFAULTS' k set apart from default_k's
     here, so that a caller taking one for the other shows."""
     monkeypatch.setitem(DEFAULTS, "llamacpp", dataclasses.replace(DEFAULTS["llamacpp"], k=6))
+    monkeypatch.setitem(DEFAULTS, "hf", dataclasses.replace(DEFAULTS["hf"], k=5))
     assert unasked_k(backend, drafter, model, draft_backend, named) == want
 
 

@@ -52,10 +52,10 @@ def _forward_name(model: Model | None, backend: str | None) -> str:
 def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | None = None, *, k_max: int = K_MAX,
           store: ModelStore | None = None) -> Pipeline:
     """A pipeline for `target` drafted by `draft` (None: plain decoding) with k draft tokens per round (an
-    integer >= 0, 'auto', or None: DEFAULTS' k for the backend's default drafter with any draft model on the
-    target's backend, or for its own pair, else default_k). Models come
-    from `store` (a fresh one when None): pipelines built on one store share the models their specs have in
-    common (see ModelStore for the reset rule). A draft model of another tokenizer drafts through a VocabBridge
+    integer >= 0, 'auto', or None: the k verispec.names.k.unasked_k gives: 0 without a draft, 'auto' for a
+    tree, DEFAULTS' k for the backend's default drafter or its own pair, else default_k). Models come from `store`
+    (a fresh one when None): pipelines built on one store share the models their specs have in common (see
+    ModelStore for the reset rule). A draft model of another tokenizer drafts through a VocabBridge
     (verispec.proposers.cross_vocab), with a warning when the two share too few tokens for drafting to help.
     Generation ends at the configured EOS ids and at every token llama.cpp treats as the end of generation, on
     every backend alike."""
@@ -69,13 +69,12 @@ def build(target: TargetSpec, draft: DraftSpec | None = None, k: int | str | Non
     draft_backend = draft.backend if has_model else None
     if dtype_auto and "hf" in (target.backend, draft_backend):  # a model loaded through transformers
         reason += "; " + choose_dtype(device)[1]
-    drafter_name, draft_ref = (draft.drafter, draft.model) if draft is not None else (None, None)
     if k is None:
-        k = unasked_k(target.backend, drafter_name, draft_ref, draft_backend, named=not default_pair)
-        if draft is not None and own_default(target.backend, drafter_name, draft_ref, draft_backend,
-                                             named=not default_pair):
+        kind, draft_ref = (draft.drafter, draft.model) if draft is not None else (None, None)
+        k = unasked_k(target.backend, kind, draft_ref, draft_backend, named=not default_pair)
+        if own_default(target.backend, kind, draft_ref, draft_backend, named=not default_pair):
             name = BACKEND_NAMES.get(target.backend, target.backend)
-            reason += f"; drafter {draft.drafter} and k={k}: the {name} defaults"
+            reason += f"; drafter {kind} and k={k}: the {name} defaults"
     check_exact_kernels(target, k)
     tree = draft is not None and draft.drafter == "tree"
     if tree and "llamacpp" in (target.backend, draft_backend):

@@ -70,17 +70,18 @@ def default_k(target_backend: str, draft_backend: str | None) -> int | str:
     return "auto" if "llamacpp" in (target_backend, draft_backend) else DEFAULT_K
 
 
-def own_default(target_backend: str, drafter: str, draft_model: str | None, draft_backend: str | None,
+def own_default(target_backend: str, drafter: str | None, draft_model: object, draft_backend: str | None,
                 named: bool) -> bool:
     """Whether a drafter is the target backend's own default (DEFAULTS): its drafter where the user named none
-    (`named` False), or its pair drafter with the pair's draft model; the draft, if any, on the target's backend."""
+    (`named` False), or its pair drafter with the pair's draft model (a catalog name); the draft, if any, on the
+    target's backend."""
     defaults = DEFAULTS.get(target_backend)
-    return defaults is not None and draft_backend in (None, target_backend) and (
+    return drafter is not None and defaults is not None and draft_backend in (None, target_backend) and (
         not named and drafter == defaults.drafter
-        or drafter == defaults.pair_drafter and draft_model == defaults.draft)
+        or defaults.pair_drafter is not None and drafter == defaults.pair_drafter and draft_model == defaults.draft)
 
 
-def unasked_k(target_backend: str, drafter: str | None, draft_model: str | None, draft_backend: str | None,
+def unasked_k(target_backend: str, drafter: str | None, draft_model: object, draft_backend: str | None,
               named: bool) -> int | str:
     """k when none is asked for: 0 without a drafter (plain decoding), 'auto' for a token tree, DEFAULTS' k for
     the backend's own default (own_default), else default_k."""
